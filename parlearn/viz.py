@@ -1,0 +1,78 @@
+"""Shared matplotlib figures, with the measured/modeled labelling built in.
+
+A measured curve always names its device; a modeled curve always names its
+formula and is drawn dashed. Lessons never label a curve by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = [
+    "measured_label",
+    "modeled_label",
+    "plot_measured",
+    "plot_modeled",
+    "timeline",
+    "convergence",
+]
+
+
+def measured_label(name: str, device: str) -> str:
+    """``'name (measured on device)'``."""
+    return f"{name} (measured on {device})"
+
+
+def modeled_label(name: str, formula: str) -> str:
+    """``'name (modeled: formula)'``."""
+    return f"{name} (modeled: {formula})"
+
+
+def plot_measured(ax, x, y, *, name: str, device: str, yerr=None, **kw):
+    """Solid line with markers (and error bars from min/max when given)."""
+    kw.setdefault("marker", "o")
+    label = measured_label(name, device)
+    if yerr is not None:
+        return ax.errorbar(x, y, yerr=yerr, label=label, capsize=3, **kw)
+    return ax.plot(x, y, label=label, **kw)
+
+
+def plot_modeled(ax, x, y, *, name: str, formula: str, **kw):
+    """Dashed line, no markers: a model, not a measurement."""
+    kw.setdefault("linestyle", "--")
+    return ax.plot(x, y, label=modeled_label(name, formula), **kw)
+
+
+def timeline(ax, events: Sequence[tuple[str, str, float, float]], *, title: str = "") -> None:
+    """Gantt chart. ``events`` are ``(lane, label, start_s, end_s)``; one row per lane.
+
+    Bars are coloured by the label's first word (e.g. ``'chain'``, ``'wgrad'``).
+    """
+    lanes = list(dict.fromkeys(e[0] for e in events))
+    kinds = list(dict.fromkeys(e[1].split()[0] for e in events))
+    colors = {k: f"C{i}" for i, k in enumerate(kinds)}
+    t0 = min((e[2] for e in events), default=0.0)
+    for lane, label, start, end in events:
+        row = lanes.index(lane)
+        ax.barh(row, (end - start) * 1e3, left=(start - t0) * 1e3, height=0.6,
+                color=colors[label.split()[0]], edgecolor="black", linewidth=0.4)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    for k, c in colors.items():
+        ax.barh(0, 0, color=c, label=k)
+    ax.legend(loc="lower right", fontsize="small")
+    if title:
+        ax.set_title(title)
+
+
+def convergence(ax, histories: dict[str, Sequence[float]], *, ylabel: str = "residual") -> None:
+    """Semilog-y plot of one or more residual histories against iteration."""
+    for name, hist in histories.items():
+        h = np.asarray(hist, dtype=float)
+        ax.semilogy(np.arange(len(h)), np.maximum(h, np.finfo(float).tiny), marker="o", label=name)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize="small")

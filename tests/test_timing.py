@@ -1,0 +1,45 @@
+import pytest
+
+from parlearn import timing
+
+
+def test_measure_counts_calls_and_repeats():
+    calls = []
+    t = timing.measure(lambda: calls.append(1), warmup=2, repeat=4, device="cpu")
+    assert len(calls) == 6 and t.repeats == 4
+    assert t.min <= t.median <= t.max and t.device == "cpu"
+    assert "measured on cpu" in str(t)
+
+
+def test_compare_interleaves_and_ratio():
+    order = []
+    cmp = timing.compare({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
+                         warmup=0, repeat=3)
+    assert order == ["a", "b"] * 3
+    assert cmp.baseline == "a"
+    ra, rb = cmp.timings["a"].median, cmp.timings["b"].median
+    assert cmp.speedup("b") == pytest.approx(ra / rb)
+    assert cmp.speedup("a") == pytest.approx(1.0)
+
+
+def test_compare_slow_vs_fast_is_ordered():
+    def slow():
+        sum(range(200_000))
+
+    def fast():
+        sum(range(2_000))
+
+    cmp = timing.compare({"slow": slow, "fast": fast}, warmup=1, repeat=5)
+    assert cmp.speedup("fast") > 1.0
+
+
+@pytest.mark.parametrize("kw,match", [({"warmup": -1}, "warmup"), ({"repeat": 0}, "repeat"),
+                                      ({"baseline": "zz"}, "baseline")])
+def test_compare_bad_input(kw, match):
+    with pytest.raises(ValueError, match=match):
+        timing.compare({"a": lambda: None}, **kw)
+
+
+def test_compare_rejects_non_callable():
+    with pytest.raises(TypeError, match="candidates"):
+        timing.compare({"a": 3})
