@@ -137,4 +137,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the importable module's main: technique modules register into *its* registry,
+    # not into this __main__ copy.
+    from parlearn.bench import main as _main
+
+    sys.exit(_main())

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import ipywidgets as W
+from traitlets import TraitError
 
 __all__ = ["Dashboard", "control"]
 
@@ -126,6 +127,9 @@ class Dashboard:
             widget.unobserve(self._on_change, names="value")
             try:
                 widget.value = value
+            except TraitError as err:
+                msg = f"{name}={value!r} is outside what its control allows: {err}"
+                raise ValueError(msg) from err
             finally:
                 widget.observe(self._on_change, names="value")
             if widget.value != value:
