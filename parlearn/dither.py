@@ -49,6 +49,8 @@ __all__ = [
     "History",
     "train",
     "grad_variance",
+    "compare_regimes",
+    "throughput",
 ]
 
 NOISES = ("uniform", "gaussian", "triangular")
@@ -376,6 +378,54 @@ def train(regime: str, data, *, epochs: int = 5, lr: float = 0.05, hidden: int =
         hist.test_acc.append(test_acc)
     bar.close()
     return hist
+
+
+def compare_regimes(data, *, epochs: int, batch_size: int = 16, copies: int = 16,
+                    dither: str | None = "gaussian", scale: float = 0.3,
+                    dropout: float | None = None, lr: float = 0.05, seed: int = 0,
+                    progress: Callable[[float, str], None] | None = None) -> dict[str, History]:
+    """The lesson's experiment at equal updates *and* equal forward passes.
+
+    Single-example runs make ``epochs`` passes over the data (``n * epochs`` updates);
+    batch runs make ``epochs * batch_size`` passes, so they take as many updates, and
+    with ``copies == batch_size`` the parallel run pushes as many examples through
+    the model as batch SGD does. Returns ``{name: History}``.
+    """
+    noisy = {"dither": dither, "scale": scale, "dropout": dropout}
+    plan = {
+        "batch SGD": dict(regime="batch", epochs=epochs * batch_size, batch_size=batch_size),
+        "batch SGD + noise": dict(regime="batch", epochs=epochs * batch_size,
+                                  batch_size=batch_size, **noisy),
+        "single-example SGD + noise": dict(regime="single", epochs=epochs, **noisy),
+        f"parallel noise, P={copies}": dict(regime="parallel", epochs=epochs, copies=copies,
+                                           **noisy),
+    }
+    out = {}
+    for i, (name, kw) in enumerate(plan.items()):
+        if progress is not None:
+            progress(i / len(plan), f"training: {name}")
+        out[name] = train(data=data, lr=lr, seed=seed, progress=False, **kw)
+    return out
+
+
+def throughput(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, *,
+               copies_list, dither: str | None = "gaussian", scale: float = 0.1,
+               dropout: float | None = None, repeat: int = 5, device="cpu") -> dict:
+    """Measured time of one P-copy gradient, batched vs looped, for each P in ``copies_list``."""
+    out = {"copies": [], "loop_s": [], "batched_s": [], "speedup": [], "device": str(device)}
+    for p in copies_list:
+        noise = draw_noise(x, int(p), dither=dither, scale=scale, dropout=dropout,
+                           generator=torch.Generator().manual_seed(0))
+        cmp = compare({
+            "loop": partial(sequential_grad, model, loss_fn, x, y, noise=noise),
+            "batched": partial(parallel_grad, model, loss_fn, x, y, copies=int(p), noise=noise),
+        }, warmup=1, repeat=repeat, device=device)
+        model.zero_grad(set_to_none=True)
+        out["copies"].append(int(p))
+        out["loop_s"].append(cmp.timings["loop"].median)
+        out["batched_s"].append(cmp.timings["batched"].median)
+        out["speedup"].append(cmp.speedup("batched"))
+    return out
 
 
 # --- bench --------------------------------------------------------------------------
