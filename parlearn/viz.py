@@ -20,6 +20,10 @@ __all__ = [
 ]
 
 
+# Colour of each task kind in timelines; the common ones are fixed up front.
+_TASK_COLORS = {"chain": "C0", "wgrad": "C1", "transfer": "C2", "boundary": "C3"}
+
+
 def measured_label(name: str, device: str) -> str:
     """``'name (measured on device)'``."""
     return f"{name} (measured on {device})"
@@ -48,11 +52,14 @@ def plot_modeled(ax, x, y, *, name: str, formula: str, **kw):
 def timeline(ax, events: Sequence[tuple[str, str, float, float]], *, title: str = "") -> None:
     """Gantt chart. ``events`` are ``(lane, label, start_s, end_s)``; one row per lane.
 
-    Bars are coloured by the label's first word (e.g. ``'chain'``, ``'wgrad'``).
+    Bars are coloured by the label's first word (e.g. ``'chain'``, ``'wgrad'``), with
+    one colour per word for the whole session, so side-by-side timelines agree.
     """
     lanes = list(dict.fromkeys(e[0] for e in events))
     kinds = list(dict.fromkeys(e[1].split()[0] for e in events))
-    colors = {k: f"C{i}" for i, k in enumerate(kinds)}
+    for k in kinds:
+        _TASK_COLORS.setdefault(k, f"C{len(_TASK_COLORS) % 10}")
+    colors = {k: _TASK_COLORS[k] for k in kinds}
     t0 = min((e[2] for e in events), default=0.0)
     for lane, label, start, end in events:
         row = lanes.index(lane)
