@@ -54,8 +54,8 @@ import torch
 
 from .bench import Row, register
 
-__all__ = ["STRATEGIES", "DecodeResult", "decode", "overlap_coupling", "mean_field_commit",
-           "confidence"]
+__all__ = ["STRATEGIES", "GRIDS", "DecodeResult", "decode", "overlap_coupling",
+           "mean_field_commit", "confidence", "sweep", "best_setting"]
 
 Denoiser = Callable[[torch.Tensor], torch.Tensor]
 Coupling = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -353,29 +353,34 @@ def decode(denoiser: Denoiser, *, length: int, batch: int, mask_id: int,
 # --- bench -------------------------------------------------------------------------
 
 
-def best_setting(denoiser, lang, strategy: str, grid: list[dict], *, batch: int = 256,
-                 target: float = 0.99, seed: int = 0) -> tuple[dict, DecodeResult, float]:
-    """The setting from ``grid`` with the fewest passes reaching ``target`` validity
-    (or the most valid one if none does). Returns ``(params, result, validity)``."""
-    best = None
+def sweep(denoiser, lang, strategy: str, grid: list[dict], *, batch: int = 256,
+          seed: int = 0) -> list[tuple[dict, DecodeResult, float]]:
+    """Decode ``batch`` sequences with every setting in ``grid``: ``(params, result, validity)``."""
+    out = []
     for params in grid:
         res = decode(denoiser, length=lang.length, batch=batch, mask_id=lang.mask_id,
                      strategy=strategy, generator=torch.Generator().manual_seed(seed), **params)
-        v = lang.valid(res.tokens.cpu()).double().mean().item()
-        key = (v < target, res.mean_passes if v >= target else -v)
-        if best is None or key < best[0]:
-            best = (key, params, res, v)
-    return best[1], best[2], best[3]
+        out.append((params, res, lang.valid(res.tokens.cpu()).double().mean().item()))
+    return out
 
 
+def best_setting(rows: list[tuple[dict, DecodeResult, float]],
+                 target: float = 0.99) -> tuple[dict, DecodeResult, float]:
+    """Among :func:`sweep` rows, the fewest passes reaching ``target`` validity (or,
+    if none does, the most valid)."""
+    return min(rows, key=lambda r: (r[2] < target, r[1].mean_passes if r[2] >= target else -r[2]))
+
+
+# Settings swept for the frontier plot and the bench (lam = 0.5 is avoided: with
+# beta = 8 it is the critical coupling, where the fixed point converges slowly).
 GRIDS = {
     "sequential": [{}],
-    "fixed_k": [{"k": k} for k in (1, 2, 4)],
-    "random": [{"steps": s} for s in (16, 32, 64)],
-    "threshold": [{"tau": t} for t in (0.2, 0.3, 0.5, 0.9)],
-    "factor": [{"f": f} for f in (0.5, 1.0, 2.0, 4.0)],
-    "entropy_bound": [{"gamma": g} for g in (0.1, 0.5, 1.0, 2.0)],
-    "mean_field": [{"tau": t, "lam": lam} for t in (0.2, 0.5) for lam in (1.0, 4.0)],
+    "fixed_k": [{"k": k} for k in (1, 2, 4, 8, 16)],
+    "random": [{"steps": s} for s in (2, 4, 8, 16, 32, 64)],
+    "threshold": [{"tau": t} for t in (0.1, 0.2, 0.3, 0.5, 0.9)],
+    "factor": [{"f": f} for f in (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)],
+    "entropy_bound": [{"gamma": g} for g in (0.1, 0.5, 1.0, 2.0, 4.0, 8.0)],
+    "mean_field": [{"tau": 0.2, "lam": lam} for lam in (0.05, 0.2, 1.0, 2.0, 4.0)],
 }
 
 
@@ -390,7 +395,7 @@ def _bench(device: torch.device, quick: bool) -> list[Row]:
         denoisers["tiny MDLM"] = train_mdlm(lang, device=device, progress=False)
     rows = []
     for dname, den in denoisers.items():
-        found = {s: best_setting(den, lang, s, GRIDS[s], batch=batch) for s in STRATEGIES}
+        found = {s: best_setting(sweep(den, lang, s, GRIDS[s], batch=batch)) for s in STRATEGIES}
         base = found["threshold"][1].mean_passes
         for s, (params, res, v) in found.items():
             ratio = base / res.mean_passes
@@ -398,7 +403,8 @@ def _bench(device: torch.device, quick: bool) -> list[Row]:
             rows.append(Row(
                 f"decoding {dname}", "threshold (best >=99%)", s, ratio, str(device),
                 ">= 3x fewer passes" if s == "mean_field" else "", met,
-                f"{params or 'default'}: validity {v:.3f}, {res.mean_passes:.2f} passes/seq, "
+                ("" if v >= 0.99 else "BELOW 99% VALIDITY at every setting tried; best: ")
+                + f"{params or 'default'}: validity {v:.3f}, {res.mean_passes:.2f} passes/seq, "
                 f"{res.tokens_per_pass:.2f} tokens/pass, {res.seconds * 1e3:.0f} ms for "
                 f"batch {batch} (ratio = passes, not time)"))
     return rows
