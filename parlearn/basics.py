@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .bench import Row, register
-from .timing import compare
+from .timing import compare, sweep
 
 __all__ = [
     "amdahl", "brent_bounds", "looped_matmul", "batched_matmul", "random_batch", "sweep_batching",
@@ -78,16 +78,14 @@ def sweep_batching(counts, size: int, *, device="cpu", repeat: int = 5, seed: in
     counts = [int(n) for n in counts]
     if not counts or min(counts) < 1:
         raise ValueError(f"counts must be positive ints, got {counts!r}")
-    out = {"n": counts, "loop_s": [], "bmm_s": [], "speedup": [], "device": str(device),
-           "size": size}
-    for n in counts:
+
+    def candidates(n):
         a, b = random_batch(n, size, device=device, seed=seed)
-        cmp = compare({"loop": partial(looped_matmul, a, b), "bmm": partial(batched_matmul, a, b)},
-                      warmup=1, repeat=repeat, device=device)
-        out["loop_s"].append(cmp.timings["loop"].median)
-        out["bmm_s"].append(cmp.timings["bmm"].median)
-        out["speedup"].append(cmp.speedup("bmm"))
-    return out
+        return {"loop": partial(looped_matmul, a, b), "bmm": partial(batched_matmul, a, b)}
+
+    r = sweep(counts, candidates, repeat=repeat, device=device)
+    return {"n": counts, "loop_s": r["median_s"]["loop"], "bmm_s": r["median_s"]["bmm"],
+            "speedup": r["speedup"]["bmm"], "device": r["device"], "size": size}
 
 
 @register("basics", "batched matmul (torch.bmm) vs a Python loop of the same matmuls")

@@ -34,7 +34,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .bench import Row, register
-from .timing import compare
+from .timing import compare, sweep
 
 __all__ = [
     "NOISES",
@@ -412,20 +412,18 @@ def throughput(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
                copies_list, dither: str | None = "gaussian", scale: float = 0.1,
                dropout: float | None = None, repeat: int = 5, device="cpu") -> dict:
     """Measured time of one P-copy gradient, batched vs looped, for each P in ``copies_list``."""
-    out = {"copies": [], "loop_s": [], "batched_s": [], "speedup": [], "device": str(device)}
-    for p in copies_list:
+    def candidates(p):
         noise = draw_noise(x, int(p), dither=dither, scale=scale, dropout=dropout,
                            generator=torch.Generator().manual_seed(0))
-        cmp = compare({
-            "loop": partial(sequential_grad, model, loss_fn, x, y, noise=noise),
-            "batched": partial(parallel_grad, model, loss_fn, x, y, copies=int(p), noise=noise),
-        }, warmup=1, repeat=repeat, device=device)
-        model.zero_grad(set_to_none=True)
-        out["copies"].append(int(p))
-        out["loop_s"].append(cmp.timings["loop"].median)
-        out["batched_s"].append(cmp.timings["batched"].median)
-        out["speedup"].append(cmp.speedup("batched"))
-    return out
+        return {"loop": partial(sequential_grad, model, loss_fn, x, y, noise=noise),
+                "batched": partial(parallel_grad, model, loss_fn, x, y, copies=int(p),
+                                   noise=noise)}
+
+    r = sweep([int(p) for p in copies_list], candidates, repeat=repeat, device=device)
+    model.zero_grad(set_to_none=True)
+    return {"copies": r["values"], "loop_s": r["median_s"]["loop"],
+            "batched_s": r["median_s"]["batched"], "speedup": r["speedup"]["batched"],
+            "device": r["device"]}
 
 
 # --- bench --------------------------------------------------------------------------

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from .device import sync
 
-__all__ = ["Timing", "Comparison", "measure", "compare"]
+__all__ = ["Timing", "Comparison", "measure", "compare", "sweep"]
 
 
 @dataclass(frozen=True)
@@ -132,3 +133,27 @@ def compare(
             times[name].append(_timed_call(fn, dev))
     timings = {name: Timing(tuple(ts), str(dev)) for name, ts in times.items()}
     return Comparison(timings, baseline, str(dev))
+
+
+def sweep(
+    values: Iterable[Any],
+    candidates: Callable[[Any], Mapping[str, Callable[[], object]]],
+    *,
+    warmup: int = 1,
+    repeat: int = 5,
+    device: str | torch.device = "cpu",
+) -> dict:
+    """:func:`compare` the candidates ``candidates(value)`` builds, for each value.
+
+    Returns ``{"values", "device", "median_s": {name: [...]}, "speedup": {name: [...]}}``;
+    speedups are over the first candidate, measured per value.
+    """
+    out: dict = {"values": [], "device": str(torch.device(device)), "median_s": {},
+                 "speedup": {}}
+    for value in values:
+        cmp = compare(candidates(value), warmup=warmup, repeat=repeat, device=device)
+        out["values"].append(value)
+        for name, t in cmp.timings.items():
+            out["median_s"].setdefault(name, []).append(t.median)
+            out["speedup"].setdefault(name, []).append(cmp.speedup(name))
+    return out

@@ -43,3 +43,13 @@ def test_compare_bad_input(kw, match):
 def test_compare_rejects_non_callable():
     with pytest.raises(TypeError, match="candidates"):
         timing.compare({"a": 3})
+
+
+def test_sweep_records_each_value():
+    calls = []
+    r = timing.sweep([1, 2, 3], lambda v: {"a": lambda: calls.append(("a", v)),
+                                           "b": lambda: calls.append(("b", v))},
+                     warmup=0, repeat=2)
+    assert r["values"] == [1, 2, 3] and len(r["median_s"]["a"]) == 3
+    assert r["speedup"]["a"] == [1.0, 1.0, 1.0]
+    assert calls[:4] == [("a", 1), ("b", 1), ("a", 1), ("b", 1)]
