@@ -42,8 +42,8 @@ from .bench import Row, register
 from .timing import compare
 
 __all__ = ["ResidualStack", "dense_tanh", "conv_tanh", "random_stack", "MGRITResult",
-           "mgrit_forward", "mgrit_adjoint", "serial_adjoint", "LayerParallelResNet",
-           "cost_model", "RELAX"]
+           "mgrit_forward", "mgrit_adjoint", "serial_adjoint", "parameter_grads",
+           "LayerParallelResNet", "SerialResNet", "train_digits", "cost_model", "RELAX"]
 
 RELAX = ("F", "FCF")
 
@@ -65,7 +65,19 @@ def dense_tanh_batched(X: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Ten
     return torch.tanh(torch.baddbmm(p["b"].unsqueeze(1), X, p["W"].transpose(1, 2)))
 
 
+def dense_tanh_vjp(X: torch.Tensor, p: dict[str, torch.Tensor], V: torch.Tensor):
+    """Batched vector-Jacobian products of :func:`dense_tanh`: ``(J_x^T V, J_theta^T V)``.
+
+    With ``A = tanh(W x + b)`` and ``D = V (1 - A^2)``: ``J_x^T V = D W``,
+    ``dW = D^T x`` and ``db = sum D``, each one batched call over layers.
+    """
+    A = dense_tanh_batched(X, p)
+    D = V * (1 - A * A)
+    return torch.bmm(D, p["W"]), {"W": torch.bmm(D.transpose(1, 2), X), "b": D.sum(1)}
+
+
 _BATCHED = {dense_tanh: dense_tanh_batched}
+_BATCHED_VJP = {dense_tanh: dense_tanh_vjp}
 
 
 def conv_tanh(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -98,6 +110,11 @@ class ResidualStack(nn.Module):
         self.params = nn.ParameterDict({k: nn.Parameter(v) for k, v in params.items()})
         self.h, self.fn = float(h), fn
         self.batched_fn = _BATCHED.get(fn) or vmap(fn)
+        self.batched_vjp = _BATCHED_VJP.get(fn) or vmap(self._vjp_one)
+
+    def _vjp_one(self, x, p, v):
+        _, pull = vjp(self.fn, x, p)
+        return pull(v)
 
     @property
     def n_layers(self) -> int:
@@ -231,7 +248,11 @@ def _cycle(step: StepFn, u, g, level: int, levels: int, m: int, relax: str,
         _c_relax(step, u, g, level, m, batched)
         _f_relax(step, u, g, level, m, batched)
     # Restrict by injection; FAS right-hand side: restricted residual + coarse operator.
-    r = residual(step, u, g, level)[::m]
+    # After F-relaxation only C-point residuals can be non-zero: evaluate just those.
+    n = u.shape[0] - 1
+    r = g[::m].clone()
+    r[0] -= u[0]
+    r[1:] -= u[m::m] - step(level, slice(m - 1, n, m), u[m - 1:n:m])
     v = u[::m].clone()
     g_coarse = r.clone()  # g_c = R r + A_c(v)
     g_coarse[0] += v[0]
@@ -320,10 +341,7 @@ def mgrit_forward(stack: ResidualStack, x0: torch.Tensor, *, cfactor: int, level
 def _jt(stack: ResidualStack, X: torch.Tensor, idx: slice | torch.Tensor,
         V: torch.Tensor) -> torch.Tensor:
     """``J(X[j], theta_idx[j])^T V[j]`` for every j: batched vector-Jacobian products."""
-    def one(x, p, v):
-        return vjp(lambda xx: stack.fn(xx, p), x)[1](v)[0]
-
-    return vmap(one)(X, stack.layer_params(idx), V)
+    return stack.batched_vjp(X, stack.layer_params(idx), V)[0]
 
 
 def _adjoint_step(stack: ResidualStack, states: torch.Tensor, m: int, level: int,
@@ -348,15 +366,16 @@ def serial_adjoint(stack: ResidualStack, states: torch.Tensor,
 
 def mgrit_adjoint(stack: ResidualStack, states: torch.Tensor, lam_out: torch.Tensor, *,
                   cfactor: int, levels: int = 2, iters: int | None = None,
-                  tol: float | None = None, relax: str = "FCF",
-                  batched: bool = True) -> MGRITResult:
+                  tol: float | None = None, relax: str = "FCF", batched: bool = True,
+                  record: bool = True) -> MGRITResult:
     """``lambda_0..lambda_N`` by MGRIT on the reversed adjoint recursion (states in layer order)."""
     g = torch.zeros(stack.n_layers + 1, *lam_out.shape, dtype=lam_out.dtype,
                     device=lam_out.device)
     g[0] = lam_out
     with torch.no_grad():
         res = mgrit(partial(_adjoint_step, stack, states, cfactor), g, cfactor=cfactor,
-                    levels=levels, iters=iters, tol=tol, relax=relax, batched=batched)
+                    levels=levels, iters=iters, tol=tol, relax=relax, batched=batched,
+                    record=record)
     res.states = res.states.flip(0)
     return res
 
@@ -364,10 +383,7 @@ def mgrit_adjoint(stack: ResidualStack, states: torch.Tensor, lam_out: torch.Ten
 def parameter_grads(stack: ResidualStack, states: torch.Tensor,
                     lams: torch.Tensor) -> dict[str, torch.Tensor]:
     """``h (dF/dtheta_n)^T lambda_{n+1}`` for every layer n, in one batched call."""
-    def one(x, p, v):
-        return vjp(lambda pp: stack.fn(x, pp), p)[1](v)[0]
-
-    g = vmap(one)(states[:-1], dict(stack.params), lams[1:])
+    g = stack.batched_vjp(states[:-1], dict(stack.params), lams[1:])[1]
     return {k: stack.h * v for k, v in g.items()}
 
 
@@ -379,7 +395,8 @@ class _MGRITFunction(torch.autograd.Function):
     def forward(ctx, x0, module, *flat_params):
         res = mgrit_forward(module.stack, x0.detach(), cfactor=module.cfactor,
                             levels=module.levels, iters=module.fwd_iters, tol=module.fwd_tol,
-                            relax=module.relax, warm_start=module._warm(x0))
+                            relax=module.relax, warm_start=module._warm(x0),
+                            record=module.record)
         module.last_forward = res
         if module.warm_start:
             module._warm_states = res.states.detach()
@@ -393,7 +410,7 @@ class _MGRITFunction(torch.autograd.Function):
         (states,) = ctx.saved_tensors
         res = mgrit_adjoint(module.stack, states, grad_out, cfactor=module.cfactor,
                             levels=module.levels, iters=module.bwd_iters, tol=module.bwd_tol,
-                            relax=module.relax)
+                            relax=module.relax, record=module.record)
         module.last_backward = res
         grads = parameter_grads(module.stack, states, res.states)
         return (res.states[0], None, *(grads[k] for k in module.stack.params))
@@ -406,13 +423,14 @@ class LayerParallelResNet(nn.Module):
     Gunther et al. and TorchBraid); ``fwd_tol``/``bwd_tol`` stop early. With
     ``warm_start=True`` the last forward's states seed the next one (as in Kirby et
     al.), which pays off across training steps when weights change slowly.
-    ``last_forward`` and ``last_backward`` keep the residual histories.
+    ``last_forward`` and ``last_backward`` keep the residual histories (with
+    ``record=True``; recording costs one extra sweep of work per iteration).
     """
 
     def __init__(self, stack: ResidualStack, *, cfactor: int = 4, levels: int = 2,
                  fwd_iters: int | None = 2, bwd_iters: int | None = 2,
                  fwd_tol: float | None = None, bwd_tol: float | None = None,
-                 relax: str = "FCF", warm_start: bool = True):
+                 relax: str = "FCF", warm_start: bool = True, record: bool = True):
         super().__init__()
         _check_grid(stack.n_layers, cfactor, levels)
         if relax not in RELAX:
@@ -423,7 +441,7 @@ class LayerParallelResNet(nn.Module):
         self.stack, self.cfactor, self.levels, self.relax = stack, cfactor, levels, relax
         self.fwd_iters, self.bwd_iters, self.fwd_tol, self.bwd_tol = (fwd_iters, bwd_iters,
                                                                       fwd_tol, bwd_tol)
-        self.warm_start = warm_start
+        self.warm_start, self.record = warm_start, record
         self._warm_states: torch.Tensor | None = None
         self.last_forward: MGRITResult | None = None
         self.last_backward: MGRITResult | None = None
@@ -438,18 +456,83 @@ class LayerParallelResNet(nn.Module):
         return _MGRITFunction.apply(x0, self, *self.stack.params.values())
 
 
+# --- a short training run ------------------------------------------------------------
+
+
+class SerialResNet(nn.Module):
+    """The same stack run by the serial forward, differentiated by autograd: the reference."""
+
+    def __init__(self, stack: ResidualStack):
+        super().__init__()
+        self.stack = stack
+
+    def forward(self, x0: torch.Tensor) -> torch.Tensor:
+        return self.stack.serial(x0)[-1]
+
+
+def train_digits(parallel: bool, data, *, layers: int = 32, width: int = 32, steps: int = 150,
+                 lr: float = 1e-2, cfactor: int = 4, levels: int = 2, iters: int = 2,
+                 seed: int = 0, progress: bool = True) -> dict:
+    """Full-batch Adam on digits: Linear(64, width) -> N residual layers -> Linear(width, 10).
+
+    ``parallel=True`` runs the residual block as a :class:`LayerParallelResNet`
+    (``iters`` forward and backward iterations, warm-started across steps); ``False``
+    runs the serial forward with autograd. Same initial weights either way. Returns
+    ``{"step", "loss", "test_acc", "seconds"}``.
+    """
+    from tqdm.auto import tqdm
+
+    from .timing import measure
+
+    torch.manual_seed(seed)
+    dtype = data.x_train.dtype
+    stack = random_stack(layers, width, scale=0.5, dtype=dtype, seed=seed)
+    block = (LayerParallelResNet(stack, cfactor=cfactor, levels=levels, fwd_iters=iters,
+                                 bwd_iters=iters, warm_start=True, record=False) if parallel
+             else SerialResNet(stack))
+    model = nn.Sequential(nn.Linear(data.n_features, width), block,
+                          nn.Linear(width, data.n_classes)).to(dtype)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    hist: dict = {"step": [], "loss": [], "test_acc": []}
+
+    def train_step():
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(data.x_train), data.y_train)
+        loss.backward()
+        opt.step()
+        return loss
+
+    bar = tqdm(range(steps), desc="layer-parallel" if parallel else "serial",
+               disable=not progress, leave=False)
+    seconds = 0.0
+    for i in bar:
+        t = measure(lambda: hist.setdefault("_last", []).append(train_step()),  # noqa: B023
+                    warmup=0, repeat=1)
+        seconds += t.median
+        if i % max(1, steps // 15) == 0 or i == steps - 1:
+            with torch.no_grad():
+                acc = (model(data.x_test).argmax(1) == data.y_test).double().mean().item()
+            hist["step"].append(i + 1)
+            hist["loss"].append(hist["_last"][-1].item())
+            hist["test_acc"].append(acc)
+    hist.pop("_last")
+    hist["seconds"] = seconds
+    return hist
+
+
 # --- cost model ----------------------------------------------------------------------
 
 
 def cost_model(N: int, cfactor: int, levels: int, iters: int, *, relax: str = "FCF",
-               devices: int | None = None) -> dict:
+               devices: int | None = None, record: bool = False) -> dict:
     """Sequential steps (depth) and step evaluations (work) of serial vs MGRIT (modeled).
 
     One V-cycle at level l with ``N_l`` steps (``m = cfactor``): relaxation costs depth
     ``m-1`` (F) or ``2(m-1)+1`` (FCF) and work ``N_l(m-1)/m`` per F sweep plus ``N_l/m``
     per C sweep; the coarse residual costs depth 1, work ``N_l/m``; then the coarse
     cycle; then a final F sweep. The coarsest level is solved serially (depth = work =
-    its step count). Each iteration also evaluates the fine residual (depth 1, work N).
+    its step count). With ``record=True`` each iteration also evaluates the fine residual
+    (depth 1, work N).
     With ``devices=P`` every batched call of ``k`` steps costs ``ceil(k/P)`` step times;
     ``devices=None`` is unlimited (depth).
 
@@ -477,8 +560,8 @@ def cost_model(N: int, cfactor: int, levels: int, iters: int, *, relax: str = "F
         return depth + d, work + w
 
     d, w = cycle(N, 0) if levels > 1 else (N, N)
-    depth = iters * (d + t(N))
-    work = iters * (w + N)
+    depth = iters * (d + (t(N) if record else 0))
+    work = iters * (w + (N if record else 0))
     return {"serial_depth": N, "serial_work": N, "mgrit_depth": depth, "mgrit_work": work,
             "model_parallel_depth": N, "speedup": N / depth if depth else math.inf}
 
@@ -539,7 +622,7 @@ def _bench(device: torch.device, quick: bool) -> list[Row]:
                         f"(N / {model['mgrit_depth']} sequential batched calls)"))
         # forward + backward through the autograd Function vs serial autograd
         lp = LayerParallelResNet(stack, cfactor=m, levels=levels, fwd_iters=iters,
-                                 bwd_iters=iters, warm_start=False)
+                                 bwd_iters=iters, warm_start=False, record=False)
 
         serial_net = partial(_last_state, stack)
         cmp2 = compare({"serial": partial(_fwd_bwd, stack, serial_net, x0),

@@ -76,10 +76,15 @@ def timeline(ax, events: Sequence[tuple[str, str, float, float]], *, title: str 
 
 
 def convergence(ax, histories: dict[str, Sequence[float]], *, ylabel: str = "residual") -> None:
-    """Semilog-y plot of one or more residual histories against iteration."""
+    """Semilog-y plot of one or more residual histories against iteration.
+
+    Exact zeros are drawn at 1e-18 times the largest value (round-off level), not at
+    the smallest float, so the axis stays readable.
+    """
     for name, hist in histories.items():
         h = np.asarray(hist, dtype=float)
-        ax.semilogy(np.arange(len(h)), np.maximum(h, np.finfo(float).tiny), marker="o", label=name)
+        floor = max(h.max(initial=0.0) * 1e-18, np.finfo(float).tiny)
+        ax.semilogy(np.arange(len(h)), np.maximum(h, floor), marker="o", label=name)
     ax.set_xlabel("iteration")
     ax.set_ylabel(ylabel)
     ax.legend(fontsize="small")

@@ -82,8 +82,9 @@ def test_smooth_weights_converge_fast_and_failure_case_does_not():
     assert bad.residuals[-1] > 0.1 * bad.residuals[0]  # no useful convergence
 
 
-def test_parameter_and_input_grads_equal_autograd():
-    st, x0 = _setup(N=16)
+@pytest.mark.parametrize("conv", [False, True])  # hand-batched and vmap VJPs
+def test_parameter_and_input_grads_equal_autograd(conv):
+    st, x0 = _setup(N=16, conv=conv)
     x = x0.clone().requires_grad_(True)
     (st.serial(x)[-1] ** 3).sum().backward()
     ref = {k: p.grad.clone() for k, p in st.params.items()}
