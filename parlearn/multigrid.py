@@ -494,28 +494,26 @@ def train_digits(parallel: bool, data, *, layers: int = 32, width: int = 32, ste
                           nn.Linear(width, data.n_classes)).to(dtype)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     hist: dict = {"step": [], "loss": [], "test_acc": []}
+    last: dict = {}
 
     def train_step():
         opt.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(model(data.x_train), data.y_train)
         loss.backward()
         opt.step()
-        return loss
+        last["loss"] = loss.item()
 
     bar = tqdm(range(steps), desc="layer-parallel" if parallel else "serial",
                disable=not progress, leave=False)
     seconds = 0.0
     for i in bar:
-        t = measure(lambda: hist.setdefault("_last", []).append(train_step()),  # noqa: B023
-                    warmup=0, repeat=1)
-        seconds += t.median
+        seconds += measure(train_step, warmup=0, repeat=1).median
         if i % max(1, steps // 15) == 0 or i == steps - 1:
             with torch.no_grad():
                 acc = (model(data.x_test).argmax(1) == data.y_test).double().mean().item()
             hist["step"].append(i + 1)
-            hist["loss"].append(hist["_last"][-1].item())
+            hist["loss"].append(last["loss"])
             hist["test_acc"].append(acc)
-    hist.pop("_last")
     hist["seconds"] = seconds
     return hist
 
@@ -604,7 +602,7 @@ def _bench(device: torch.device, quick: bool) -> list[Row]:
                     best = (cost, m, levels, iters, err)
         if best is None:
             rows.append(Row(f"multigrid N={N}", "serial forward", "MGRIT forward", 0.0,
-                            str(device), f">= {target}x", False, "no setting reached 1e-4"))
+                            str(device), "", False, "no setting reached 1e-4"))
             continue
         _, m, levels, iters, err = best
         with torch.no_grad():
@@ -615,9 +613,11 @@ def _bench(device: torch.device, quick: bool) -> list[Row]:
             }, warmup=1, repeat=3 if quick else 7, device=device)
         model = cost_model(N, m, levels, iters)
         ratio = cmp.speedup("mgrit")
+        has_target = N >= 1024  # the target is stated at N = 1024
         rows.append(Row(f"multigrid N={N} w={width} B={batch}", "serial forward",
                         f"MGRIT m={m} L={levels} it={iters}", ratio, str(device),
-                        f">= {target}x", ratio >= target,
+                        f">= {target}x" if has_target else "",
+                        ratio >= target if has_target else None,
                         f"rel. error {err:.1e}; modeled depth speedup {model['speedup']:.1f}x "
                         f"(N / {model['mgrit_depth']} sequential batched calls)"))
         # forward + backward through the autograd Function vs serial autograd

@@ -190,3 +190,16 @@ def test_record_false_skips_residuals_but_counts_iterations():
     b = mg.mgrit_forward(st, x0, cfactor=4, iters=3)
     assert a.iterations == b.iterations == 3 and a.residuals == [] and len(b.residuals) == 4
     assert _err(a.states, b.states) == 0
+
+
+def test_train_digits_serial_and_parallel_agree():
+    from parlearn import datasets
+
+    data = datasets.digits(n_train=200, dtype=torch.float64)
+    kw = {"layers": 8, "width": 16, "steps": 12, "progress": False}
+    serial = mg.train_digits(False, data, **kw)
+    parallel = mg.train_digits(True, data, **kw)
+    assert serial["step"] == parallel["step"] and serial["step"][-1] == 12
+    assert serial["loss"][-1] < serial["loss"][0]
+    assert abs(serial["loss"][-1] - parallel["loss"][-1]) < 0.05 * serial["loss"][0]
+    assert abs(serial["test_acc"][-1] - parallel["test_acc"][-1]) <= 0.02
