@@ -19,8 +19,11 @@ $(VENV)/.test-installed: pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $@
 
+# Containers often run as root, which JupyterLab refuses without --allow-root.
+ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)
+
 lab: $(VENV)/.lab-installed
-	$(VENV)/bin/jupyter lab --notebook-dir=lessons --port=$(PORT) $(LAB_ARGS)
+	$(VENV)/bin/jupyter lab --notebook-dir=lessons --port=$(PORT) $(ROOT_ARGS) $(LAB_ARGS)
 
 lint: $(VENV)/.test-installed
 	$(VENV)/bin/ruff check parlearn tests
