@@ -186,6 +186,10 @@ def _record(tape: Tape, lane: str, label: str):
     tape.events.append((lane, label, start, time.perf_counter()))
 
 
+def _has_params(layer: nn.Module) -> bool:
+    return any(p.requires_grad for p in layer.parameters(recurse=False))
+
+
 def _wgrad(tape: Tape, l: int, delta: torch.Tensor, lane: str) -> None:
     with _record(tape, lane, f"wgrad {l + 1}"):
         tape.grads[l] = weight_grads(tape.layers[l], tape.ins[l].detach(), delta)
@@ -199,7 +203,8 @@ def _chain(tape: Tape, l: int, delta: torch.Tensor, lane: str) -> torch.Tensor:
 def _serial(tape: Tape) -> None:
     delta = tape.delta_top
     for l in reversed(range(len(tape.layers))):
-        _wgrad(tape, l, delta, "worker 0")
+        if _has_params(tape.layers[l]):
+            _wgrad(tape, l, delta, "worker 0")
         if l > 0:
             delta = _chain(tape, l, delta, "worker 0")
 
@@ -266,7 +271,8 @@ def _leapfrog_threads(tape: Tape, k: int) -> None:
     try:
         delta = tape.delta_top
         for l in reversed(range(len(tape.layers))):
-            pool.submit(partial(_wgrad, tape, l, delta))
+            if _has_params(tape.layers[l]):  # parameter-free layers have no weight gradient
+                pool.submit(partial(_wgrad, tape, l, delta))
             if l > 0:
                 delta = _chain(tape, l, delta, "worker 0 (chain)")
         pool.wait("worker 0 (chain)")
@@ -352,7 +358,8 @@ def _store_transfer(tape: Tape, lo: int, hi: int, out: dict, s: int, lane: str) 
 
 def _segment_interior(tape: Tape, lo: int, hi: int, delta: torch.Tensor, lane: str) -> None:
     for l in reversed(range(lo, hi)):
-        _wgrad(tape, l, delta, lane)
+        if _has_params(tape.layers[l]):
+            _wgrad(tape, l, delta, lane)
         if l > lo:
             delta = _chain(tape, l, delta, lane)
 
@@ -489,7 +496,8 @@ def _wgrad_term(tape: Tape, deltas: list[torch.Tensor], workers: int, threads: i
     pool = _Pool(workers)
     try:
         for l in range(len(tape.layers)):
-            pool.submit(partial(_wgrad, tape, l, deltas[l]))
+            if _has_params(tape.layers[l]):
+                pool.submit(partial(_wgrad, tape, l, deltas[l]))
         pool.wait("worker 0")
     finally:
         pool.close()
