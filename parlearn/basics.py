@@ -19,7 +19,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from .bench import Row, register
+from .bench import Row
 from .timing import compare, sweep
 
 __all__ = [
@@ -88,8 +88,7 @@ def sweep_batching(counts, size: int, *, device="cpu", repeat: int = 5, seed: in
             "speedup": r["speedup"]["bmm"], "device": r["device"], "size": size}
 
 
-@register("basics", "batched matmul (torch.bmm) vs a Python loop of the same matmuls")
-def _bench(device: torch.device, quick: bool) -> list[Row]:
+def bench(device: torch.device, quick: bool) -> list[Row]:
     rows = []
     for n, size in ((256, 16), (64, 64)) if quick else ((1024, 16), (256, 64), (64, 256)):
         a, b = random_batch(n, size, device=device)

@@ -1,8 +1,8 @@
 """``python -m parlearn.bench``: every primitive, measured against its baseline.
 
-Each technique module registers one function with :func:`register`. A benchmark
-function takes ``(device, quick)`` and returns :class:`Row` objects; every ratio
-in a row is measured side by side in this one run (see :func:`parlearn.timing.compare`).
+Every technique module has a plain ``bench(device, quick) -> list[Row]`` function;
+:data:`BENCHES` below is the one table of them. Every ratio in a row is measured side
+by side in this one run (see :func:`parlearn.timing.compare`).
 Rows may carry a target (a claim from an issue or paper) and whether it was met.
 
     python -m parlearn.bench                     # everything, on the default device
@@ -23,17 +23,7 @@ import torch
 
 from .device import describe_str, pick_device
 
-__all__ = ["Row", "register", "registry", "run", "main"]
-
-# Technique modules that register benchmarks; imported only when the bench runs,
-# so `import parlearn` stays cheap.
-MODULES = (
-    "parlearn.basics",
-    "parlearn.leapfrog",
-    "parlearn.multigrid",
-    "parlearn.dither",
-    "parlearn.decoding",
-)
+__all__ = ["Row", "BENCHES", "registry", "run", "main", "format_table"]
 
 
 @dataclass
@@ -51,42 +41,40 @@ class Row:
 
 
 BenchFn = Callable[[torch.device, bool], list[Row]]
-_REGISTRY: dict[str, tuple[str, BenchFn]] = {}
 
-
-def register(name: str, description: str) -> Callable[[BenchFn], BenchFn]:
-    """Decorator: register ``fn(device, quick) -> list[Row]`` under ``name``."""
-
-    def deco(fn: BenchFn) -> BenchFn:
-        _REGISTRY[name] = (description, fn)
-        return fn
-
-    return deco
+# name -> (module with a ``bench(device, quick)`` function, what it measures).
+# Modules are imported only when their bench runs, so `import parlearn` stays cheap.
+BENCHES: dict[str, tuple[str, str]] = {
+    "basics": ("parlearn.basics",
+               "batched matmul (torch.bmm) vs a Python loop of the same matmuls"),
+    "leapfrog": ("parlearn.leapfrog",
+                 "backward schedules on a deep narrow MLP: leapfrog/segments vs serial"),
+    "multigrid": ("parlearn.multigrid",
+                  "layer-parallel forward/backward (MGRIT) vs the best serial ResNet"),
+    "dither": ("parlearn.dither",
+               "P=64 noisy copies: one batched forward/backward vs a loop over copies"),
+    "decoding": ("parlearn.decoding",
+                 "forward passes per sequence at >= 99% validity, and the decoder's own time"),
+}
 
 
 def registry() -> dict[str, tuple[str, BenchFn]]:
-    """All registered benchmarks (importing the technique modules that exist)."""
-    for mod in MODULES:
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as err:
-            if err.name != mod:  # a real missing dependency, not a module yet to be written
-                raise
-    return dict(_REGISTRY)
+    """``{name: (description, bench function)}`` for every entry of :data:`BENCHES`."""
+    return {name: (desc, importlib.import_module(mod).bench)
+            for name, (mod, desc) in BENCHES.items()}
 
 
 def run(names: list[str] | None = None, *, device: str | None = None,
         quick: bool = False) -> list[Row]:
     """Run the named benchmarks (default: all) and return their rows."""
-    reg = registry()
-    names = list(reg) if not names else names
-    unknown = [n for n in names if n not in reg]
+    names = list(BENCHES) if not names else names
+    unknown = [n for n in names if n not in BENCHES]
     if unknown:
-        raise ValueError(f"unknown benchmark(s) {unknown}; registered: {sorted(reg)}")
+        raise ValueError(f"unknown benchmark(s) {unknown}; known: {sorted(BENCHES)}")
     dev = pick_device(device)
     rows: list[Row] = []
     for name in names:
-        rows.extend(reg[name][1](dev, quick))
+        rows.extend(importlib.import_module(BENCHES[name][0]).bench(dev, quick))
     return rows
 
 
@@ -119,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="list benchmarks and exit")
     args = parser.parse_args(argv)
     if args.list:
-        for name, (desc, _) in sorted(registry().items()):
+        for name, (_, desc) in BENCHES.items():
             print(f"{name:<12} {desc}")
         return 0
     try:
@@ -137,8 +125,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the importable module's main: technique modules register into *its* registry,
-    # not into this __main__ copy.
-    from parlearn.bench import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

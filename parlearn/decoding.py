@@ -52,7 +52,7 @@ from functools import partial
 
 import torch
 
-from .bench import Row, register
+from .bench import Row
 from .device import sync
 
 __all__ = ["STRATEGIES", "GRIDS", "DecodeResult", "decode", "overlap_coupling",
@@ -386,9 +386,7 @@ GRIDS = {
 }
 
 
-@register("decoding", "forward passes per sequence at >= 99% validity (else the most valid "
-                      "setting): strategies vs threshold")
-def _bench(device: torch.device, quick: bool) -> list[Row]:
+def bench(device: torch.device, quick: bool) -> list[Row]:
     from .diffusion import PairedPhrase, train_mdlm
 
     lang = PairedPhrase(slots=8, m=4)

@@ -6,14 +6,17 @@ so a lesson can still configure fake devices after ``import parlearn``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import sys
+from collections.abc import Iterator
 from importlib import metadata
 
 import torch
 
-__all__ = ["pick_device", "describe", "describe_str", "fake_jax_cpu_devices", "sync"]
+__all__ = ["pick_device", "describe", "describe_str", "fake_jax_cpu_devices", "sync", "threads",
+           "THREAD_POLICY"]
 
 _KNOWN = ("cuda", "mps", "cpu")
 
@@ -48,6 +51,35 @@ def pick_device(prefer: str | torch.device | None = None) -> torch.device:
             f"prefer={prefer!r}: only {torch.cuda.device_count()} CUDA device(s) here"
         )
     return dev
+
+
+THREAD_POLICY = """\
+parlearn's thread policy for measurements:
+- The library never changes torch's global intra-op thread count for longer than one call.
+  Where a measurement needs a fixed count (the bench, a lesson's explorer) it runs inside
+  ``with threads(n):``, which restores the caller's count afterwards, also after errors.
+- Every timing records the thread count it ran with (``Timing.threads``).
+- Lessons and the bench pin ONE intra-op thread per worker by default: with torch's default
+  of one thread per core, anything else running on the machine makes every op 10-30x slower
+  and ratios flip. With one thread the figures stay readable on a busy laptop.
+"""
+
+
+@contextlib.contextmanager
+def threads(n: int) -> Iterator[int]:
+    """Run the block with ``n`` torch intra-op threads, then restore the caller's count.
+
+    >>> with threads(1):
+    ...     pass  # measure here
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n must be a positive int (threads), got {n!r}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(before)
 
 
 def sync(device: torch.device | str) -> None:

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .bench import Row, register
+from .bench import Row
 from .timing import compare, sweep
 
 __all__ = [
@@ -429,8 +429,7 @@ def throughput(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
 # --- bench --------------------------------------------------------------------------
 
 
-@register("dither", "P=64 noisy copies: one batched forward/backward vs a loop over copies")
-def _bench(device: torch.device, quick: bool) -> list[Row]:
+def bench(device: torch.device, quick: bool) -> list[Row]:
     from .datasets import digits
 
     data = digits(device=device)

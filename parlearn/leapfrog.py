@@ -49,7 +49,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from .bench import Row, register
+from .bench import Row
 from .timing import compare
 
 __all__ = ["MODES", "Tape", "forward", "backward", "grad", "chain_step", "weight_grads",
@@ -504,8 +504,7 @@ def _wgrad_term(tape: Tape, deltas: list[torch.Tensor], workers: int, threads: i
         torch.set_num_threads(before)
 
 
-@register("leapfrog", "backward schedules on a deep narrow MLP: leapfrog/segments vs serial")
-def _bench(device: torch.device, quick: bool) -> list[Row]:
+def bench(device: torch.device, quick: bool) -> list[Row]:
     L, w, B = (8, 128, 64) if quick else (32, 256, 256)
     k = 2 if device.type == "cpu" else 4
     cores = os.cpu_count() or 1

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.func import vjp, vmap
 
-from .bench import Row, register
+from .bench import Row
 from .timing import compare
 
 __all__ = ["ResidualStack", "dense_tanh", "conv_tanh", "random_stack", "MGRITResult",
@@ -580,8 +580,7 @@ def _fwd_bwd(stack: ResidualStack, net: Callable, x0: torch.Tensor) -> None:
     net(x0).square().sum().backward()
 
 
-@register("multigrid", "layer-parallel forward (MGRIT, batched over layers) vs serial")
-def _bench(device: torch.device, quick: bool) -> list[Row]:
+def bench(device: torch.device, quick: bool) -> list[Row]:
     rows = []
     sizes = (64, 256) if quick else (256, 1024)
     width, batch = 32, 4

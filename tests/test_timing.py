@@ -53,3 +53,46 @@ def test_sweep_records_each_value():
     assert r["values"] == [1, 2, 3] and len(r["median_s"]["a"]) == 3
     assert r["speedup"]["a"] == [1.0, 1.0, 1.0]
     assert calls[:4] == [("a", 1), ("b", 1), ("a", 1), ("b", 1)]
+
+
+def test_spread_and_reliability_flag():
+    steady = timing.Timing((1.0, 1.0, 1.01, 1.0, 0.99), "cpu", 1)
+    noisy = timing.Timing((1.0, 3.0, 0.5, 2.0, 1.0), "cpu", 1)
+    assert steady.spread < 0.05 and steady.reliable and "WARNING" not in str(steady)
+    assert noisy.spread > timing.SPREAD_LIMIT and not noisy.reliable
+    assert timing.UNRELIABLE in str(noisy) and "1 thread" in str(noisy)
+
+
+def test_ratio_spread_comes_from_interleaved_pairs():
+    a = timing.Timing((2.0, 4.0, 2.0, 4.0, 2.0), "cpu", 1)
+    b = timing.Timing((1.0, 1.0, 1.0, 1.0, 1.0), "cpu", 1)
+    cmp = timing.Comparison({"a": a, "b": b}, "a", "cpu")
+    assert cmp.ratios("b") == [2.0, 4.0, 2.0, 4.0, 2.0]
+    lo, hi = cmp.speedup_range("b")
+    assert lo == pytest.approx(2.0) and hi == pytest.approx(4.0)
+    assert not cmp.reliable and "IQR" in str(cmp)
+
+
+def test_threads_are_pinned_then_restored():
+    import torch
+
+    before = torch.get_num_threads()
+    seen = []
+    t = timing.measure(lambda: seen.append(torch.get_num_threads()), warmup=0, repeat=2,
+                       threads=1)
+    assert seen == [1, 1] and t.threads == 1
+    assert torch.get_num_threads() == before
+
+
+def test_threads_restored_after_error():
+    import torch
+
+    from parlearn import device
+
+    before = torch.get_num_threads()
+    with pytest.raises(ZeroDivisionError), device.threads(1):
+        raise ZeroDivisionError
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="threads"):
+        with device.threads(0):
+            pass

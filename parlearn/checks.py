@@ -1,0 +1,129 @@
+"""Argument checks shared by every public function.
+
+Each check raises before any work starts, with a message that names the argument,
+what it must be and what it got. ``bool`` is never accepted as a number, NaN and
+infinity never as a float (unless ``finite=False``), and nothing is clipped.
+
+    n = check_int("workers", workers, lo=1)
+    tau = check_float("tau", tau, lo=0, hi=1, lo_open=True)
+    mode = check_choice("mode", mode, ("serial", "leapfrog"))
+    x = check_tensor("x", x, ndim=2, floating=True)
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["check_int", "check_float", "check_bool", "check_choice", "check_callable",
+           "check_tensor", "check_module", "check_seed"]
+
+T = TypeVar("T")
+
+
+def _range_text(lo, hi, lo_open: bool = False, hi_open: bool = False) -> str:
+    parts = []
+    if lo is not None:
+        parts.append(f"{'>' if lo_open else '>='} {lo}")
+    if hi is not None:
+        parts.append(f"{'<' if hi_open else '<='} {hi}")
+    return " and ".join(parts)
+
+
+def check_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None) -> int:
+    """``value`` as an ``int`` in ``[lo, hi]``; bools and floats (even 4.0) are refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ValueError(f"{name} must be an int {_range_text(lo, hi)}, got {value}")
+    return value
+
+
+def check_float(name: str, value: Any, *, lo: float | None = None, hi: float | None = None,
+                lo_open: bool = False, hi_open: bool = False, finite: bool = True) -> float:
+    """``value`` as a ``float`` in the given range; NaN and (by default) +-inf are refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if math.isnan(value) or (finite and math.isinf(value)):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    bad = ((lo is not None and (value < lo or (lo_open and value == lo)))
+           or (hi is not None and (value > hi or (hi_open and value == hi))))
+    if bad:
+        raise ValueError(f"{name} must be {_range_text(lo, hi, lo_open, hi_open)}, got {value}")
+    return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is a real ``bool`` (not 0/1, not a string)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_choice(name: str, value: T, choices: Iterable[T]) -> T:
+    """``value`` if it is one of ``choices``."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return value
+
+
+def check_callable(name: str, value: Any) -> Callable:
+    """``value`` if it can be called."""
+    if not callable(value):
+        raise TypeError(f"{name} must be callable, got {type(value).__name__}")
+    return value
+
+
+def check_module(name: str, value: Any) -> torch.nn.Module:
+    """``value`` if it is a ``torch.nn.Module``."""
+    if not isinstance(value, torch.nn.Module):
+        raise TypeError(f"{name} must be a torch.nn.Module, got {type(value).__name__}")
+    return value
+
+
+def check_tensor(name: str, value: Any, *, ndim: int | Sequence[int] | None = None,
+                 shape: Sequence[int | None] | None = None, floating: bool | None = None,
+                 dtype: torch.dtype | None = None, finite: bool = False) -> torch.Tensor:
+    """``value`` if it is a tensor of the given rank, shape, dtype kind.
+
+    ``shape`` may hold ``None`` for any size. ``floating=True`` asks for a floating
+    dtype, ``floating=False`` for an integer one. ``finite=True`` refuses NaN/inf.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if value.dim() not in allowed:
+            want = " or ".join(str(a) for a in allowed)
+            raise ValueError(f"{name} must have {want} dimensions, got shape "
+                             f"{tuple(value.shape)}")
+    if shape is not None:
+        ok = value.dim() == len(shape) and all(
+            s is None or s == v for s, v in zip(shape, value.shape, strict=True))
+        if not ok:
+            want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+            raise ValueError(f"{name} must have shape {want}, got {tuple(value.shape)}")
+    if dtype is not None and value.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {value.dtype}")
+    if floating is True and not value.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {value.dtype}")
+    if floating is False and (value.is_floating_point() or value.is_complex()
+                              or value.dtype == torch.bool):
+        raise TypeError(f"{name} must be an integer tensor, got {value.dtype}")
+    if finite and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        raise ValueError(f"{name} must not contain NaN or infinity")
+    return value
+
+
+def check_seed(name: str, value: Any) -> int | torch.Generator:
+    """A seed: an int >= 0 or a ``torch.Generator``."""
+    if isinstance(value, torch.Generator):
+        return value
+    return check_int(name, value, lo=0)
