@@ -14,7 +14,9 @@ __all__ = [
     "measured_label",
     "modeled_label",
     "plot_measured",
+    "plot_measured_sweep",
     "plot_modeled",
+    "mark_reliability",
     "timeline",
     "convergence",
 ]
@@ -41,6 +43,40 @@ def plot_measured(ax, x, y, *, name: str, device: str, yerr=None, **kw):
     if yerr is not None:
         return ax.errorbar(x, y, yerr=yerr, label=label, capsize=3, **kw)
     return ax.plot(x, y, label=label, **kw)
+
+
+def plot_measured_sweep(ax, sweep: dict, name: str, *, key: str = "speedup", **kw):
+    """One candidate of a :func:`parlearn.timing.sweep` result: medians with IQR error bars.
+
+    ``key`` is ``"speedup"`` (error bars from the per-repeat ratio IQR) or ``"median_s"``
+    (error bars from the spread). The label names the device and thread count, and the
+    axes get the unreliable-measurement warning when the sweep's spread was too wide.
+    """
+    x = np.asarray(sweep["values"], dtype=float)
+    if key == "speedup":
+        y = np.asarray(sweep["speedup"][name])
+        lo, hi = np.asarray(sweep["speedup_lo"][name]), np.asarray(sweep["speedup_hi"][name])
+    elif key == "median_s":
+        y = np.asarray(sweep["median_s"][name])
+        half = np.asarray(sweep["spread"][name]) * y / 2
+        lo, hi = y - half, y + half
+    else:
+        raise ValueError(f"key must be 'speedup' or 'median_s', got {key!r}")
+    yerr = np.vstack([np.clip(y - lo, 0, None), np.clip(hi - y, 0, None)])
+    device = f"{sweep['device']}, {sweep['threads']} thread(s)"
+    out = plot_measured(ax, x, y, name=name, device=device, yerr=yerr, **kw)
+    mark_reliability(ax, sweep["reliable"])
+    return out
+
+
+def mark_reliability(ax, reliable: bool) -> None:
+    """Write the 'not reliable' warning across ``ax`` when a measurement's spread was too wide."""
+    from .timing import UNRELIABLE
+
+    if not reliable:
+        ax.text(0.5, 0.5, "WARNING: " + UNRELIABLE.replace("; ", ";\n"),
+                transform=ax.transAxes, ha="center", va="center", color="red", fontsize=9,
+                alpha=0.8, bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "red"})
 
 
 def plot_modeled(ax, x, y, *, name: str, formula: str, **kw):

@@ -13,6 +13,17 @@ os.environ.setdefault("PARLEARN_FAST", "1")
 
 torch.use_deterministic_algorithms(True, warn_only=False)
 
+# Devices every exactness test runs on: CUDA is added only where it exists (as minitorch
+# does), so the suite passes everywhere and tests more where it can. `make gpu-check` runs
+# the tests that use this fixture.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def any_device(request) -> torch.device:
+    """Each available device in turn: use it in every parallel-equals-serial test."""
+    return torch.device(request.param)
+
 
 @pytest.fixture(autouse=True)
 def _seed():
