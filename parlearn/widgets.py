@@ -16,6 +16,8 @@ that takes more than a few seconds.
 
 from __future__ import annotations
 
+import decimal
+import html
 import inspect
 import time
 from collections.abc import Callable, Mapping
@@ -24,6 +26,8 @@ from typing import Any
 import ipywidgets as W
 from traitlets import TraitError
 
+from .checks import check_int
+
 __all__ = ["Dashboard", "control"]
 
 
@@ -31,6 +35,7 @@ def control(spec: Any, name: str) -> W.ValueWidget:
     """Turn a short spec into a widget (a widget is returned unchanged).
 
     * ``(lo, hi, step, value)`` of ints -> ``IntSlider``; with a float -> ``FloatSlider``
+      whose readout shows as many digits as the step and bounds need (0.05 -> 2 digits)
     * ``[a, b, c]`` (a list) -> ``Dropdown`` whose first item is the default
     * ``True``/``False`` -> ``Checkbox``
     """
@@ -46,8 +51,11 @@ def control(spec: Any, name: str) -> W.ValueWidget:
         lo, hi, step, value = spec
         if not lo <= value <= hi:
             raise ValueError(f"control {name!r}: default {value} outside [{lo}, {hi}]")
-        cls = W.IntSlider if all(isinstance(v, int) for v in spec) else W.FloatSlider
-        widget = cls(min=lo, max=hi, step=step, value=value, description=name)
+        if all(isinstance(v, int) for v in spec):
+            widget = W.IntSlider(min=lo, max=hi, step=step, value=value, description=name)
+        else:
+            widget = W.FloatSlider(min=lo, max=hi, step=step, value=value, description=name,
+                                   readout_format=f".{_decimals(spec)}f")
     else:
         raise TypeError(
             f"control {name!r}: expected a widget, (lo, hi, step, value), a list or a bool; "
@@ -57,6 +65,12 @@ def control(spec: Any, name: str) -> W.ValueWidget:
         widget.continuous_update = False
     widget.style = {"description_width": "initial"}
     return widget
+
+
+def _decimals(values) -> int:
+    """Digits after the point needed to show every one of ``values`` exactly (at least 1)."""
+    exps = [decimal.Decimal(repr(float(v))).normalize().as_tuple().exponent for v in values]
+    return max(1, *(-e for e in exps if isinstance(e, int)))
 
 
 class Dashboard:
@@ -88,8 +102,7 @@ class Dashboard:
     ) -> None:
         if not callable(compute) or not callable(plot):
             raise TypeError("compute and plot must be callables")
-        if ncols < 1:
-            raise ValueError(f"ncols must be >= 1, got {ncols}")
+        check_int("ncols", ncols, lo=1)
         self.compute_fn = compute
         self.plot_fn = plot
         self.controls = {name: control(spec, name) for name, spec in controls.items()}
@@ -100,6 +113,7 @@ class Dashboard:
         self.out = W.Output()
         self.run = W.Button(description="Run", button_style="primary") if run_button else None
         self.result: Any = None
+        self.error: Exception | None = None
         self.figure = None
         self.elapsed_s: float | None = None
         self._displayed = False
@@ -157,11 +171,16 @@ class Dashboard:
         return self.result
 
     def _recompute_safely(self) -> None:
+        # A browser callback has nowhere to raise to: every error of compute or plot is
+        # shown in the status line (with its type), and kept in ``self.error`` for tests.
+        self.error = None
         try:
             self._recompute()
-        except (ValueError, TypeError, RuntimeError) as err:
+        except Exception as err:  # noqa: BLE001 - shown to the user, not swallowed
+            self.error = err
             self.progress.bar_style = "danger"
-            self.status.value = f"<b>error:</b> {err}"
+            self.status.value = (f"<b>error ({type(err).__name__}):</b> "
+                                 f"{html.escape(str(err))}")
 
     def _on_change(self, _change: dict) -> None:
         if self.run is not None:

@@ -108,3 +108,45 @@ def test_widget_box_and_explicit_widget():
     d = Dashboard(lambda k: k, lambda r, ax: None, {"k": s})
     assert s.continuous_update is False
     assert isinstance(d.widget(), W.VBox)
+
+
+def test_float_slider_readout_shows_the_step():
+    assert control((0.0, 1.0, 0.05, 0.25), "x").readout_format == ".2f"
+    assert control((1e-5, 1e-3, 1e-5, 1e-4), "x").readout_format == ".5f"
+    assert control((0.5, 2.0, 0.5, 1.0), "x").readout_format == ".1f"
+
+
+@pytest.mark.parametrize("exc", [ZeroDivisionError, KeyError, IndexError, AssertionError,
+                                 ValueError])
+def test_every_compute_error_reaches_the_status_line(exc):
+    def compute(n):
+        if n > 2:
+            raise exc("bad <n>")
+        return n
+
+    d = Dashboard(compute, lambda r, ax: ax.plot([r]), {"n": (1, 10, 1, 2)})
+    d.controls["n"].value = 5          # the browser path: must not raise
+    assert isinstance(d.error, exc)
+    assert exc.__name__ in d.status.value and "&lt;n&gt;" in d.status.value
+    assert d.progress.bar_style == "danger"
+    d.controls["n"].value = 1          # a good value clears the error
+    assert d.error is None and d.result == 1
+
+
+def test_plot_errors_are_shown_too():
+    def plot(r, ax):
+        raise RuntimeError("cannot draw")
+
+    calls = []
+    d = Dashboard(lambda n: calls.append(n) or n, lambda r, ax: ax.plot([r]),
+                  {"n": (1, 10, 1, 2)})
+    d.plot_fn = plot
+    d.controls["n"].value = 4
+    assert isinstance(d.error, RuntimeError) and "cannot draw" in d.status.value
+
+
+def test_ncols_is_checked():
+    with pytest.raises(TypeError, match="ncols"):
+        _dash(ncols=1.5)
+    with pytest.raises(ValueError, match="ncols"):
+        _dash(ncols=0)
