@@ -207,13 +207,19 @@ class Dashboard:
     def widget(self) -> W.Widget:
         """The whole dashboard as one ipywidgets box."""
         bar = [self.run] if self.run is not None else []
-        return W.VBox(
+        box = W.VBox(
             [
                 W.HBox(list(self.controls.values()), layout={"flex_flow": "row wrap"}),
                 W.HBox([*bar, self.progress, self.status]),
                 self.out,
             ]
         )
+        # Stable hooks for the browser test (tests/browser): it finds every dashboard,
+        # moves a control and waits for the figure in the output to change.
+        box.add_class("parlearn-dashboard")
+        self.status.add_class("parlearn-status")
+        self.out.add_class("parlearn-figure")
+        return box
 
     def _ipython_display_(self) -> None:
         from IPython.display import display
