@@ -115,11 +115,14 @@ _STATE_JS = """() => {
   const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;
   if (!panel || !panel.content || !panel.sessionContext) return null;
   const kernel = panel.sessionContext.session && panel.sessionContext.session.kernel;
+  const ready = Boolean(panel.sessionContext.isReady && kernel
+                        && kernel.connectionStatus === 'connected');
   const cells = panel.content.widgets.filter(c => c.model.type === 'code');
   const errors = [], stderr = [];
-  let pending = 0, widgets = 0;
+  let pending = 0, started = 0, widgets = 0;
   for (const [i, c] of cells.entries()) {
     if (c.model.executionCount === null || c.model.executionState === 'running') pending++;
+    if (c.model.executionCount !== null || c.model.executionState === 'running') started++;
     for (const o of c.model.outputs.toJSON()) {
       if (o.output_type === 'error') errors.push(`cell ${i}: ${o.ename}: ${o.evalue}`);
       if (o.output_type === 'stream' && o.name === 'stderr') {
@@ -129,8 +132,8 @@ _STATE_JS = """() => {
       if (o.data && o.data['application/vnd.jupyter.widget-view+json']) widgets++;
     }
   }
-  return {kernel: kernel ? kernel.status : null, cells: cells.length, pending, errors,
-          stderr, widgets};
+  return {kernel: kernel ? kernel.status : null, ready, cells: cells.length, pending, started,
+          errors, stderr, widgets};
 }"""
 
 
@@ -178,10 +181,19 @@ def test_lesson_in_browser(lab, path):
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     try:
         page.goto(f"{base}/lab/tree/{path.name}?token={token}", timeout=120_000)
-        _wait(page, lambda s: s["kernel"] == "idle", 180, "the kernel to start")
+        _wait(page, lambda s: s["ready"] and s["kernel"] == "idle", 180, "the kernel to start")
         started = time.monotonic()
-        # The command's promise resolves when the last cell has run (or one has failed).
-        page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        for attempt in range(2):
+            # A Run All issued while the kernel connection settles can be dropped: re-issue
+            # it once if no cell has started within a minute.
+            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells');"
+                          " }")
+            try:
+                _wait(page, lambda s: s["started"] > 0 or s["errors"], 60, "a first cell")
+                break
+            except AssertionError:
+                if attempt:
+                    raise
         state = _wait(page, lambda s: s["errors"] or (s["kernel"] == "idle"
                                                     and s["pending"] == 0),
                       RUN_ALL_TIMEOUT_S, "Run All to finish")
@@ -190,7 +202,8 @@ def test_lesson_in_browser(lab, path):
         assert not state["stderr"], f"{path.name}: stderr: {state['stderr']}"
         assert page.get_by_text("Error displaying widget").count() == 0
 
-        dashboards = page.locator(".parlearn-dashboard")
+        # Dashboards inside a closed tab or accordion are not on screen: test the visible ones.
+        dashboards = page.locator(".parlearn-dashboard:visible")
         n = dashboards.count()
         assert state["widgets"] >= n
         rendered = page.locator(".jp-OutputArea-output .jupyter-widgets").count()
@@ -215,5 +228,11 @@ def test_lesson_in_browser(lab, path):
                     f"{path.name}: dashboard {i} did not redraw after {what} ({status!r})")
                 time.sleep(0.5)
         print(f"{path.name}: Run All {run_all_s:.0f} s, {n} dashboard(s) redrawn")
+    except BaseException:
+        if os.environ.get("PARLEARN_BROWSER_ARTIFACTS"):
+            out = Path(os.environ["PARLEARN_BROWSER_ARTIFACTS"])
+            out.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(out / f"{path.stem}.png"), full_page=True)
+        raise
     finally:
         page.close()
