@@ -48,6 +48,7 @@ import pickle
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -282,7 +283,12 @@ def run(fn: Callable, world_size: int = 2, *, args: Sequence = (), backend: str 
             p = ctx.Process(target=_child, name=f"parlearn-rank{rank}", daemon=True,
                             args=(fn, rank, world_size, tuple(args), backend, timeout,
                                   store.port, prefix, send))
-            p.start()
+            with warnings.catch_warnings():
+                # Python >= 3.12 warns on fork from a threaded process; the child's first act
+                # (one intra-op thread) is what makes it safe for torch (module docstring).
+                warnings.filterwarnings("ignore", "This process .* is multi-threaded",
+                                        DeprecationWarning)
+                p.start()
             send.close()
             procs.append(p)
             conns[recv] = rank
