@@ -226,6 +226,11 @@ def _dp_step_ledger(rank, world_size, sizes):
         tdist.reduce_scatter_tensor(torch.empty(6), torch.ones(6 * world_size))
         tdist.all_to_all_single(torch.empty(4 * world_size), torch.ones(4 * world_size))
         tdist.barrier()
+        right, left = (rank + 1) % world_size, (rank - 1) % world_size
+        ops = [tdist.P2POp(tdist.isend, torch.ones(5), right),
+               tdist.P2POp(tdist.irecv, torch.empty(5), left)]
+        for req in tdist.batch_isend_irecv(ops):
+            req.wait()
     return (led.count("all_reduce"), led.bytes("all_reduce"), ring.bytes("isend"),
             ring.bytes("recv"), ring.count("all_reduce"), other.summary(), led.records[0].ranks)
 
@@ -247,6 +252,9 @@ def test_ledger_bytes_equal_the_formulas(world_size):
         assert other["reduce_scatter_tensor"][:2] == (1, 24 * world_size)
         assert other["all_to_all_single"][:2] == (1, 16 * world_size)
         assert other["barrier"][:2] == (1, 0)
+        # The isend/irecv that batch_isend_irecv issues are not counted a second time.
+        assert other["batch_isend_irecv"][:2] == (1, 40)
+        assert "isend" not in other and "irecv" not in other
 
 
 def test_ledger_restores_torch_functions():
