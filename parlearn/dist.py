@@ -152,9 +152,12 @@ def _child(fn: Callable, rank: int, world_size: int, args: tuple, backend: str,
         port_conn.close()
         store = tdist.TCPStore(_HOST, port, world_size + 1, is_master=False,
                                timeout=datetime.timedelta(seconds=timeout))
+        # Binding NCCL to the rank's GPU up front lets barrier() know its device.
         tdist.init_process_group(backend, store=tdist.PrefixStore(prefix, store), rank=rank,
                                  world_size=world_size,
-                                 timeout=datetime.timedelta(seconds=timeout))
+                                 timeout=datetime.timedelta(seconds=timeout),
+                                 device_id=torch.device("cuda", rank) if backend == "nccl"
+                                 else None)
         payload = ("ok", fn(rank, world_size, *args))
         if tdist.is_initialized():
             # No rank leaves before all are done with the group: a rank that exits while a
@@ -463,9 +466,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    device = None
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    tdist.init_process_group(backend, timeout=datetime.timedelta(seconds=opts.timeout))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+    tdist.init_process_group(backend, timeout=datetime.timedelta(seconds=opts.timeout),
+                             device_id=device)
     try:
         value = fn(rank, world_size, *extra)
         print(f"rank {rank}: {value!r}", flush=True)
