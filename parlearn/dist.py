@@ -394,6 +394,10 @@ def measure_alpha_beta(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES
                           world_size=world_size)
 
 
+def _trust(reliable: bool) -> str:
+    return "spread ok" if reliable else "UNRELIABLE: another program is using the cores"
+
+
 def bench(device: torch.device, quick: bool) -> list:
     """Rows for ``python -m parlearn.bench dist``, all on 2 real ranks (NCCL when ``device``
     is CUDA and there are 2 GPUs, else gloo on the CPU): the ring all-reduce written from
@@ -411,7 +415,7 @@ def bench(device: torch.device, quick: bool) -> list:
     rows = [Row("dist", f"all_reduce {big >> 20} MiB", "ring from send/recv (parlearn)",
                 t_torch / t_ring, cmp["device"],
                 detail=f"torch {t_torch * 1e3:.2f} ms, ring {t_ring * 1e3:.2f} ms; "
-                       f"{'reliable' if cmp['reliable'] else 'UNRELIABLE (busy machine)'}")]
+                       f"{_trust(cmp['reliable'])}")]
     fit_sizes = DEFAULT_SIZES[::4] if quick else DEFAULT_SIZES[::2]
     sw = sweep_collective(("all_reduce",), fit_sizes, 2, repeat=repeat, backend=backend)
     model = fit_alpha_beta(sw["sizes"], sw["median_s"]["all_reduce"], kind="all_reduce",
@@ -423,7 +427,8 @@ def bench(device: torch.device, quick: bool) -> list:
         rows.append(Row("dist", f"measured all_reduce {n / 1024:.0f} KiB",
                         "alpha-beta model (fitted here)", t / modeled, at["device"],
                         detail=f"ratio = measured/modeled; {model}; measured "
-                               f"{t * 1e6:.0f} us, modeled {modeled * 1e6:.0f} us"))
+                               f"{t * 1e6:.0f} us, modeled {modeled * 1e6:.0f} us; "
+                               f"{_trust(sw['reliable'] and at['reliable'])}"))
     return rows
 
 
