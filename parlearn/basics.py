@@ -28,7 +28,7 @@ import torch
 
 from .bench import Row
 from .checks import check_float, check_int, check_seed, check_tensor
-from .timing import compare, sweep
+from .timing import UNRELIABLE, compare, sweep
 
 __all__ = [
     "amdahl", "brent_bounds", "looped_matmul", "batched_matmul", "random_batch", "sweep_batching",
@@ -194,11 +194,16 @@ def fit_batching_model(result: dict) -> dict:
 
 
 def bench(device: torch.device, quick: bool) -> list[Row]:
+    """Measured loop vs bmm rows; on CPU both run one intra-op thread (the thread policy)."""
     rows = []
+    threads = 1 if device.type == "cpu" else None
     for n, size in ((256, 16), (64, 64)) if quick else ((1024, 16), (256, 64), (64, 256)):
         a, b = random_batch(n, size, device=device)
         cmp = compare({"loop": partial(looped_matmul, a, b), "bmm": partial(batched_matmul, a, b)},
-                      warmup=2, repeat=5 if quick else 15, device=device)
+                      warmup=2, repeat=5 if quick else 15, device=device, threads=threads)
+        lo, hi = cmp.speedup_range("bmm")
+        detail = f"{cmp.threads} thread(s); IQR {lo:.2f}-{hi:.2f}"
         rows.append(Row(f"basics n={n} {size}x{size}", "python loop", "torch.bmm",
-                        cmp.speedup("bmm"), str(device)))
+                        cmp.speedup("bmm"), str(device), "", None,
+                        detail if cmp.reliable else f"{detail}; WARNING: {UNRELIABLE}"))
     return rows
