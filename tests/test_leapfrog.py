@@ -143,9 +143,10 @@ def test_segments_refuses_batchnorm_train():
 
 
 @pytest.mark.parametrize("mode", leapfrog.MODES)
-def test_accumulates_in_place_like_autograd(mode):
-    model = _tied(torch.float64)
-    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randint(0, 3, (4,))
+def test_accumulates_in_place_like_autograd(any_device, mode):
+    model = _tied(torch.float64).to(any_device)
+    x = torch.randn(4, 6, dtype=torch.float64, device=any_device)
+    y = torch.randint(0, 3, (4,), device=any_device)
     _, ref = _reference(model, x, y)
     for p in model.parameters():  # a caller's own .grad, which must be added to, not replaced
         p.grad = torch.full_like(p, 0.5)
@@ -189,10 +190,11 @@ def test_training_trajectory_step_by_step(any_device, arch, mode, workers):
 
 @pytest.mark.parametrize("mode", leapfrog.MODES)
 @pytest.mark.parametrize("layers,workers,batch", [(1, 2, 4), (3, 1, 4), (2, 8, 4), (4, 2, 1)])
-def test_edge_cases(mode, layers, workers, batch):
+def test_edge_cases(any_device, mode, layers, workers, batch):
     torch.manual_seed(1)
-    model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(layers)]).double()
-    x, y = torch.randn(batch, 6, dtype=torch.float64), torch.randint(0, 6, (batch,))
+    model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(layers)]).double().to(any_device)
+    x = torch.randn(batch, 6, dtype=torch.float64, device=any_device)
+    y = torch.randint(0, 6, (batch,), device=any_device)
     _, ref = _reference(model, x, y)
     leapfrog.grad(model, CE, x, y, workers=workers, mode=mode)
     _assert_grads(model, ref, 1e-10)
