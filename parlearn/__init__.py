@@ -7,17 +7,15 @@ on use: ``import parlearn.dither`` or ``from parlearn import leapfrog``.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 from . import device, settings, timing, viz
 
 __version__ = "0.1.0"
 __all__ = ["device", "settings", "timing", "viz", "__version__"]
 
-_LAZY = {"basics", "bench", "datasets", "widgets", "leapfrog", "multigrid", "dither",
-         "diffusion", "decoding", "dist", "dist_model", "collectives"}
-
-
 def __getattr__(name: str):
-    if name in _LAZY:
+    # Any technique module on first use (``parlearn.dist``), so new modules need no list here.
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'parlearn' has no attribute {name!r}")
