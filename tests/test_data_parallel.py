@@ -1,0 +1,243 @@
+"""Data parallelism (naive, bucketed, DDP), the 8-bit dynamic tree type, its all-reduce."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from parlearn import compression as C
+from parlearn import data_parallel as D
+from parlearn import dist
+
+TIMEOUT = 60  # every multi-rank run is bounded: a hung rank raises instead of hanging
+
+
+# --------------------------------------------------------------------------- 8-bit type
+
+def test_code_table_has_256_distinct_sorted_codes_with_minus_one_zero_one():
+    values, codes = C.sorted_codes()
+    assert values.numel() == 256 and torch.unique(values).numel() == 256
+    assert bool((values[1:] > values[:-1]).all())
+    for v in (-1.0, 0.0, 1.0):
+        assert bool((values == v).any())
+    assert sorted(codes.tolist()) == list(range(256))
+
+
+def test_code_layout_sign_exponent_run_indicator_fraction():
+    table = C.code_table()
+    assert table[0b0_1_111111] == 1.0                       # z=0, all fraction bits set
+    assert table[0b1_1_111111] == -1.0
+    assert table[0b0_1_000000] == pytest.approx(0.1 + 0.9 / 64)
+    assert table[0b0_01_11111] == pytest.approx(0.1)         # z=1 tops out at 10**-1
+    assert table[0b0_0000001] == pytest.approx(1e-6)        # z=6: no fraction bits left
+    assert table[0] == 0.0
+    # every exponent z holds 2**(6-z) positive codes, in (10**-(z+1), 10**-z]
+    pos = table[table > 0]
+    for z in range(7):
+        inside = ((pos > 10.0 ** -(z + 1) * (1 + 1e-12)) & (pos <= 10.0 ** -z * (1 + 1e-12)))
+        assert int(inside.sum()) == 2 ** (6 - z)
+
+
+def test_quantize_dequantize_roundtrip_every_code():
+    codes = torch.arange(256, dtype=torch.int64).to(torch.uint8)
+    scale = 3.7
+    back, s = C.quantize(C.dequantize(codes, scale, torch.float64), scale=scale)
+    assert torch.equal(back, codes) and float(s) == scale
+
+
+def test_quantize_is_nearest_code():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(500, generator=gen, dtype=torch.float64) * torch.logspace(
+        -6, 0, 500, dtype=torch.float64)
+    codes, s = C.quantize(x)
+    table = C.code_table()
+    brute = (x[:, None] / s - table[None, :]).abs().min(1).values
+    got = (C.dequantize(codes, 1.0, torch.float64) - x / s).abs()
+    assert torch.allclose(got, brute, rtol=0, atol=1e-15)
+    assert float(s) == float(x.abs().max())
+
+
+def test_relative_error_small_where_linear_int8_fails():
+    m = torch.logspace(-5, 0, 5001, dtype=torch.float64)
+    tree = C.relative_error(m, "dynamic_tree")
+    lin = C.relative_error(m, "linear_int8")
+    assert float(tree.mean()) < 0.10
+    assert float(lin.mean()) > 0.5
+    small = m < 1e-2
+    assert float(tree[small].mean()) < 0.2 * float(lin[small].mean())
+
+
+def test_bad_inputs_fail_fast():
+    with pytest.raises(ValueError, match="scale"):
+        C.quantize(torch.tensor([2.0]), scale=1.0)
+    with pytest.raises(TypeError, match="codes"):
+        C.dequantize(torch.zeros(3, dtype=torch.int64), 1.0)
+    with pytest.raises(ValueError, match="magnitudes"):
+        C.relative_error(torch.tensor([0.0, 0.5]))
+    with pytest.raises(ValueError, match="kind"):
+        C.relative_error(torch.tensor([0.5]), "int4")
+
+
+def _worker_compressed(rank, world, xs, steps):
+    ef, plain, outs, recs = C.ErrorFeedback(), [], [], []
+    for t in range(steps):
+        with dist.ledger() as led:
+            outs.append(C.compressed_all_reduce(xs[t][rank], error_feedback=ef))
+        recs.append([(r.kind, r.bytes) for r in led.records])
+        plain.append(C.compressed_all_reduce(xs[t][rank], average=False))
+    return outs, plain, recs
+
+
+@pytest.mark.parametrize("world,n", [(2, 12), (3, 11)])
+def test_compressed_all_reduce_equals_reference_and_sends_a_quarter(world, n):
+    gen = torch.Generator().manual_seed(world)
+    steps = 3
+    xs = [[torch.randn(n, generator=gen) for _ in range(world)] for _ in range(steps)]
+    res = dist.run(_worker_compressed, world, args=(xs, steps), timeout=TIMEOUT)
+    efs = [C.ErrorFeedback() for _ in range(world)]
+    for t in range(steps):
+        ref = C.compressed_all_reduce_reference(xs[t], error_feedback=efs)
+        plain = C.compressed_all_reduce_reference(xs[t], average=False)
+        for r in range(world):
+            assert torch.equal(res[r][0][t], ref)
+            assert torch.equal(res[r][1][t], plain)
+        exact = torch.stack(xs[t]).mean(0)
+        assert float((ref - exact).abs().max()) < 0.05 * float(exact.abs().max())
+    # wire bytes by the ledger: codes are 1/4 of a float32 ring all-reduce, plus scales
+    m = -(-n // world)
+    wire = sum(dist.ring_bytes(k, b, world) for k, b in res[0][2][0])
+    fp32 = dist.ring_bytes("all_reduce", 4 * world * m, world)
+    scales = 2 * (world - 1) * 4
+    assert wire == pytest.approx(fp32 / 4 + scales)
+    assert {k for k, _ in res[0][2][0]} == {"all_to_all_single", "all_gather_single"}
+
+
+def test_error_feedback_carries_the_residual():
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(64, generator=gen) * torch.logspace(-4, 0, 64) for _ in range(2)]
+    efs = [C.ErrorFeedback() for _ in range(2)]
+    # summed over steps, error feedback's results track the exact sum; without it, the
+    # same rounding error repeats every step
+    with_ef = sum(C.compressed_all_reduce_reference(xs, error_feedback=efs) for _ in range(20))
+    without = 20 * C.compressed_all_reduce_reference(xs)
+    exact = 20 * torch.stack(xs).mean(0)
+    assert float((with_ef - exact).abs().sum()) < 0.3 * float((without - exact).abs().sum())
+
+
+# ------------------------------------------------------------------ data parallel engines
+
+def _data(steps=3, batch=8, d_in=5, classes=3, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(batch, d_in, generator=gen, dtype=torch.float64) for _ in range(steps)]
+    ys = [torch.randint(0, classes, (batch,), generator=gen) for _ in range(steps)]
+    return xs, ys
+
+
+@pytest.mark.parametrize("kind", ["naive", "bucketed", "ddp"])
+@pytest.mark.parametrize("optimizer,accum", [("sgd", 2), ("adam", 1)])
+def test_data_parallel_equals_single_process_step_by_step(kind, optimizer, accum):
+    xs, ys = _data()
+    model = D.TiedMLP(5, 6, 3)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ref = D.train_reference(copy.deepcopy(model), xs, ys, lr=0.05, optimizer=optimizer)
+    res = dist.run(D.worker_train, 2, args=(kind, copy.deepcopy(model), xs, ys, 0.05,
+                                            optimizer, accum, 200), timeout=TIMEOUT)
+    before = start
+    for t in range(len(xs)):
+        # not vacuous: every trained parameter moved in this step
+        for n, v in ref[t].items():
+            moved = float((v - before[n]).abs().max())
+            assert (moved == 0.0) if n.startswith("frozen") else (moved > 1e-4), (t, n)
+        for r in range(2):
+            for n, v in ref[t].items():
+                assert torch.allclose(res[r]["snapshots"][t][n], v, rtol=0, atol=1e-13), (t, n)
+        before = ref[t]
+
+
+def test_bucketed_hooks_fire_during_backward_and_every_grad_is_in_one_bucket():
+    xs, ys = _data(steps=2)
+    model = D.TiedMLP(5, 6, 3)
+    res = dist.run(D.worker_train, 2, args=("bucketed", model, xs, ys, 0.05, "sgd", 2, 200),
+                   timeout=TIMEOUT)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    buckets = res[0]["buckets"]
+    flat = [n for b in buckets for n in b]
+    assert sorted(flat) == sorted(trainable) and len(flat) == len(set(flat))
+    assert len(buckets) > 1
+    events = [(w, lab) for w, lab, _ in res[0]["events"]]
+    # split into backward passes; accum=2: the first of each step is inside no_sync
+    passes, cur = [], []
+    for e in events:
+        if e[0] == "forward" and cur:
+            passes.append(cur)
+            cur = []
+        cur.append(e)
+    passes.append(cur)
+    assert len(passes) == 4
+    for i, p in enumerate(passes):
+        kinds = [w for w, _ in p]
+        if i % 2 == 0:                                    # no_sync: nothing is sent
+            assert "launch" not in kinds and "end" not in kinds
+            continue
+        grads = [j for j, w in enumerate(kinds) if w == "grad"]
+        launches = [j for j, w in enumerate(kinds) if w == "launch"]
+        assert [p[j][1] for j in launches] == [str(b) for b in range(len(buckets))]
+        # the first bucket leaves while gradients are still being produced
+        assert launches[0] < grads[-1]
+        assert kinds[-1] == "end" and max(launches) < len(kinds) - 1
+        # each bucket launches right after its last gradient arrives
+        for b, names in enumerate(buckets):
+            last = max(j for j in grads if p[j][1] in names)
+            assert p[last + 1] == ("launch", str(b))
+
+
+def test_wrappers_refuse_bad_input():
+    with pytest.raises(RuntimeError, match="process group"):
+        D.NaiveDP(D.TiedMLP(2, 2, 2))
+    with pytest.raises(ValueError, match="kind"):
+        D.worker_train(0, 1, "zero", None, [], [], 0.1)
+    with pytest.raises(ValueError, match="batch of 5"):
+        D.shard(torch.zeros(5), 0, 2)
+
+
+def test_ddp_dettmers8_hook_trains_and_sends_a_quarter():
+    from parlearn.datasets import digits
+
+    data = digits(n_train=200)
+    out = {}
+    for method in ("fp32", "ddp_dettmers8_hook"):
+        out[method] = dist.run(D.worker_digits, 2, args=(method, data, 6, 16, 0.2, 16, 0, 3),
+                               timeout=TIMEOUT)[0]
+    wire8 = sum(dist.ring_bytes(k, b, 2) for k, b in out["ddp_dettmers8_hook"]["bytes"].items())
+    wire32 = sum(dist.ring_bytes(k, b, 2) for k, b in out["fp32"]["bytes"].items())
+    assert wire8 == pytest.approx(wire32 / 4 + 8, rel=0.01)
+    acc8, acc32 = out["ddp_dettmers8_hook"]["accuracy"], out["fp32"]["accuracy"]
+    assert acc8[-1] > 0.2 and abs(acc8[-1] - acc32[-1]) < 0.1
+
+
+# --------------------------------------------------------------------------- cost model
+
+def test_dp_step_model_hand_computed():
+    ab = dist.AlphaBeta(alpha=1e-3, beta=1e-6)
+    sizes = [1000, 2000, 3000]          # bytes in registration order
+    t = [2e-3 + n * 1e-6 for n in sizes]     # N=2 ring all-reduce: 2 alpha + n beta
+    naive = D.dp_step_model(sizes, 2, ab, compute_seconds=0.03, strategy="naive")
+    assert naive.comm == pytest.approx(sum(t)) and naive.step == pytest.approx(0.03 + sum(t))
+    one = D.dp_step_model(sizes, 2, ab, compute_seconds=0.03, strategy="one_bucket")
+    assert one.comm == pytest.approx(2e-3 + 6000e-6)
+    # buckets of one tensor each, backward 0.02 s after a 0.01 s forward; reverse order:
+    # 3000 B ready at 0.01 + 0.02 * 3/6, then 2000 B at 0.01 + 0.02 * 5/6, then 1000 B
+    b = D.dp_step_model(sizes, 2, ab, compute_seconds=0.03, strategy="bucketed",
+                        bucket_bytes=2500)
+    r = [0.02, 0.01 + 0.02 * 5 / 6, 0.03]
+    e0 = r[0] + t[2]
+    e1 = max(r[1], e0) + t[1]
+    e2 = max(r[2], e1) + t[0]
+    assert [s[2] for s in b.buckets] == pytest.approx([e0, e1, e2])
+    assert b.step == pytest.approx(max(0.03, e2))
+    assert b.hidden == pytest.approx(0.03 + sum(t) - b.step) and b.hidden > 0
+    assert D.dp_step_model(sizes, 1, ab, compute_seconds=0.03).step == 0.03
+    with pytest.raises(ValueError, match="strategy"):
+        D.dp_step_model(sizes, 2, ab, compute_seconds=0.1, strategy="ring")
