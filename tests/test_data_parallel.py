@@ -241,3 +241,67 @@ def test_dp_step_model_hand_computed():
     assert D.dp_step_model(sizes, 1, ab, compute_seconds=0.03).step == 0.03
     with pytest.raises(ValueError, match="strategy"):
         D.dp_step_model(sizes, 2, ab, compute_seconds=0.1, strategy="ring")
+
+
+# --------------------------------------------------------------------------- stragglers
+
+def _straggler_data(workers, steps, batch=4, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(steps, batch, 5, generator=gen, dtype=torch.float64)
+          for _ in range(workers)]
+    ys = [torch.randint(0, 3, (steps, batch), generator=gen) for _ in range(workers)]
+    return xs, ys
+
+
+@pytest.mark.parametrize("b", [0, 1])
+def test_backup_workers_never_wait_for_the_straggler(b):
+    from parlearn.stragglers import DelayModel
+
+    steps, workers = 3, 3
+    xs, ys = _straggler_data(workers, steps)
+    model = D.mlp([5, 4, 3], dtype=torch.float64)
+    delays = DelayModel(kind="none", slow=((3, 0.5),))     # rank 3 is always late
+    res = dist.run(_backup, workers + 1, args=(model, xs, ys, b, delays, steps),
+                   timeout=TIMEOUT)
+    server = res[0]
+    for t in range(steps):
+        used = sorted(server["accepted"][t])
+        if b == 1:
+            assert used == [1, 2] and 3 in server["late"][t]     # decided without rank 3
+        else:
+            assert used == [1, 2, 3] and server["late"][t] == []
+        want = sum(res[w]["grads"][t] for w in used) / len(used)
+        assert torch.allclose(server["grad"][t], want, rtol=0, atol=1e-15)
+        for w in used:     # the gradients used were computed at this step's parameters
+            assert torch.equal(res[w]["thetas"][t], res[1]["thetas"][t])
+        if t:
+            assert not torch.equal(res[1]["thetas"][t], res[1]["thetas"][t - 1])
+
+
+def _backup(rank, world, model, xs, ys, b, delays, steps):
+    from parlearn.stragglers import worker_backup_sgd
+
+    return worker_backup_sgd(rank, world, model, xs, ys, b, delays, lr=0.1, steps=steps)
+
+
+def test_order_statistics_and_tradeoff():
+    from parlearn.stragglers import DelayModel, backup_tradeoff, expected_order_statistic
+
+    exp = DelayModel(kind="exponential", mean=2.0)
+    assert expected_order_statistic(1, 1, exp) == pytest.approx(2.0)
+    assert expected_order_statistic(3, 3, exp) == pytest.approx(2.0 * (1 + 1 / 2 + 1 / 3))
+    assert expected_order_statistic(1, 4, exp) == pytest.approx(2.0 / 4)
+    par = DelayModel(kind="pareto", mean=1.0, shape=3.0)
+    assert expected_order_statistic(1, 1, par) == pytest.approx(1.0)
+    # Monte Carlo from the delay model's own draws agrees with the closed forms
+    for model in (exp, par):
+        draws = torch.tensor([[model.delay(r, s) for r in range(5)] for s in range(4000)])
+        mc = draws.sort(1).values.mean(0)
+        for k in (1, 3, 5):
+            assert float(mc[k - 1]) == pytest.approx(expected_order_statistic(k, 5, model),
+                                                     rel=0.1)
+    t0 = backup_tradeoff(8, 0, exp, compute_seconds=1.0)
+    t2 = backup_tradeoff(8, 2, exp, compute_seconds=1.0)
+    assert t2["time_per_step"] < t0["time_per_step"] and t2["variance"] > t0["variance"]
+    with pytest.raises(ValueError, match="b must"):
+        backup_tradeoff(4, 4, exp, compute_seconds=1.0)
