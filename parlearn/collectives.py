@@ -31,7 +31,7 @@ import torch.distributed as tdist
 from .checks import check_choice, check_int, check_tensor
 
 __all__ = ["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "rank_tensor",
-           "ring_vs_torch", "ring_check", "collectives_demo", "time_collective",
+           "ring_vs_torch", "ring_check", "collectives_demo", "time_collectives",
            "TIMED_KINDS"]
 
 
@@ -197,40 +197,45 @@ def collectives_demo(rank: int, world_size: int, per_rank: int = 2) -> dict:
 TIMED_KINDS = ("all_reduce", "ring_all_reduce", "send")
 
 
-def time_collective(rank: int, world_size: int, kind: str, sizes: list[int],
-                    repeat: int = 5, warmup: int = 1) -> dict[int, list[float]]:
-    """Worker: seconds of ``repeat`` calls of ``kind`` at each payload size in bytes
-    (float32 tensors; sizes are rounded down to whole elements), each call between
-    barriers so all ranks start together. ``"send"`` is rank 0 -> rank 1 and back,
-    halved (other ranks idle). Returns ``{bytes: [seconds of each repeat]}`` of this rank."""
+def _timed_once(kind: str, x: torch.Tensor, rank: int) -> float:
+    tdist.barrier()
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    t0 = time.perf_counter()
+    if kind == "all_reduce":
+        tdist.all_reduce(x)
+    elif kind == "ring_all_reduce":
+        ring_all_reduce(x)
+    elif rank == 0:  # send: a round trip 0 -> 1 -> 0, halved; other ranks idle
+        tdist.send(x, 1)
+        tdist.recv(x, 1)
+    elif rank == 1:
+        tdist.recv(x, 0)
+        tdist.send(x, 0)
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    elapsed = time.perf_counter() - t0
+    x.fill_(1.0)  # repeated sums would grow to inf, which can change the speed
+    return elapsed / 2 if kind == "send" else elapsed
+
+
+def time_collectives(rank: int, world_size: int, kinds: tuple[str, ...], sizes: tuple[int, ...],
+                     repeat: int = 5, warmup: int = 1) -> dict[str, dict[int, list[float]]]:
+    """Worker: seconds of each of ``kinds`` at each payload size in bytes (float32, rounded
+    down to whole elements), ``warmup`` untimed then ``repeat`` timed rounds, the kinds
+    interleaved within a round; every call starts after a barrier. ``"send"`` is a round
+    trip rank 0 -> 1 -> 0, halved. Returns ``{kind: {bytes: [seconds]}}`` of this rank."""
     from .dist import device_for
 
-    check_choice("kind", kind, TIMED_KINDS)
+    for kind in kinds:
+        check_choice("kinds", kind, TIMED_KINDS)
     dev = device_for(rank)
-    out: dict[int, list[float]] = {}
+    out: dict[str, dict[int, list[float]]] = {k: {} for k in kinds}
     for nbytes in sizes:
         x = torch.ones(max(nbytes // 4, 1), device=dev)
-        times = []
         for i in range(warmup + repeat):
-            tdist.barrier()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            if kind == "all_reduce":
-                tdist.all_reduce(x)
-            elif kind == "ring_all_reduce":
-                ring_all_reduce(x)
-            elif rank == 0:
-                tdist.send(x, 1)
-                tdist.recv(x, 1)
-            elif rank == 1:
-                tdist.recv(x, 0)
-                tdist.send(x, 0)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            elapsed = time.perf_counter() - t0
-            if i >= warmup:
-                times.append(elapsed / 2 if kind == "send" else elapsed)
-            x.fill_(1.0)  # repeated sums would overflow to inf, which can change the speed
-        out[x.numel() * 4] = times
+            for kind in kinds:
+                t = _timed_once(kind, x, rank)
+                if i >= warmup:
+                    out[kind].setdefault(x.numel() * 4, []).append(t)
     return out

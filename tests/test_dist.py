@@ -347,3 +347,28 @@ def test_torchrun_runs_a_library_worker_on_two_cpu_ranks():
         value = eval(ln.split(": ", 1)[1])  # the dict the worker returned, printed by repr
         assert value["max_abs_diff"] < 1e-12
         assert value["all_reduce_payload"] == 8 * 101
+
+
+# ---- measuring on real ranks -----------------------------------------------------------
+
+def test_sweep_collective_measures_every_kind_at_every_size():
+    sizes = [64, 4096, 65536]
+    sw = dist.sweep_collective(("all_reduce", "ring_all_reduce", "send"), sizes, 2, repeat=3,
+                               timeout=T)
+    assert sw["sizes"] == sizes and sw["world_size"] == 2 and "gloo" in sw["device"]
+    for kind in ("all_reduce", "ring_all_reduce", "send"):
+        med, q1, q3 = sw["median_s"][kind], sw["q1_s"][kind], sw["q3_s"][kind]
+        assert len(med) == len(sizes)
+        assert all(0 < lo <= m <= hi for lo, m, hi in zip(q1, med, q3, strict=True))
+    assert isinstance(sw["reliable"], bool)
+    with pytest.raises(ValueError, match="kinds"):
+        dist.sweep_collective(("allreduce",), sizes)
+    with pytest.raises(ValueError, match="world_size"):
+        dist.sweep_collective(("all_reduce",), sizes, 1)
+
+
+def test_measure_alpha_beta_on_real_ranks_gives_a_usable_model():
+    model = dist.measure_alpha_beta(2, sizes=[64, 1024, 16384, 262144], repeat=3, timeout=T)
+    # Any machine has some latency or some per-byte cost; the fit says which, >= 0.
+    assert model.alpha >= 0 and model.beta >= 0 and (model.alpha > 0 or model.beta > 0)
+    assert collective_time("all_reduce", 262144, 2, model) > 0
