@@ -30,12 +30,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as tdist
 
-from .checks import check_bool, check_tensor
+from .checks import check_bool, check_int, check_tensor
 
 __all__ = ["CODE_BITS", "code_table", "sorted_codes", "quantize", "dequantize",
            "quantize_linear_int8", "dequantize_linear_int8", "relative_error",
            "compressed_all_reduce", "compressed_all_reduce_reference", "ErrorFeedback",
-           "dettmers8_hook", "Dettmers8HookState"]
+           "dettmers8_hook", "Dettmers8HookState", "compressed_all_reduce_time"]
 
 CODE_BITS = 8
 
@@ -321,3 +321,20 @@ def dettmers8_hook(state: Dettmers8HookState, bucket) -> torch.futures.Future:
 # DDP checks a hook's return annotation by identity; `from __future__ import annotations`
 # turns ours into a string, so it is set to the object DDP expects.
 dettmers8_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+
+
+def compressed_all_reduce_time(numel: int, world_size: int, model) -> float:
+    """Modeled seconds of :func:`compressed_all_reduce` on ``numel`` elements: the four
+    collectives it issues, each by ``parlearn.dist.collective_time`` (ring):
+    ``all_to_all_single`` and ``all_gather_single`` of ``N * ceil(numel / N)`` code bytes,
+    and the same two of ``4 N`` scale bytes. The quantization arithmetic is not modeled."""
+    from .dist import collective_time
+
+    numel = check_int("numel", numel, lo=1)
+    world_size = check_int("world_size", world_size, lo=1)
+    if world_size == 1:
+        return 0.0
+    codes = world_size * -(-numel // world_size)
+    return sum(collective_time(kind, n, world_size, model)
+               for kind in ("all_to_all_single", "all_gather_single")
+               for n in (codes, 4 * world_size))

@@ -305,3 +305,12 @@ def test_order_statistics_and_tradeoff():
     assert t2["time_per_step"] < t0["time_per_step"] and t2["variance"] > t0["variance"]
     with pytest.raises(ValueError, match="b must"):
         backup_tradeoff(4, 4, exp, compute_seconds=1.0)
+
+
+def test_compressed_all_reduce_time_counts_its_four_collectives():
+    ab = dist.AlphaBeta(alpha=1e-3, beta=1e-6)
+    # N=2, 10 elements: 10 code bytes and 8 scale bytes, each all_to_all + all_gather,
+    # each a + n/2 b on 2 ranks (ring)
+    want = 4 * 1e-3 + 2 * (10 / 2 + 8 / 2) * 1e-6
+    assert C.compressed_all_reduce_time(10, 2, ab) == pytest.approx(want)
+    assert C.compressed_all_reduce_time(10, 1, ab) == 0.0
