@@ -37,7 +37,8 @@ from .checks import check_choice, check_float, check_int, check_module
 
 __all__ = ["NaiveDP", "BucketedDP", "CompressedDP", "make_ddp", "TiedMLP", "mlp",
            "train_reference", "shard", "DPStepModel", "dp_step_model", "worker_train", "STEP_KINDS",
-           "worker_step_time", "worker_digits", "DIGITS_METHODS"]
+           "worker_step_time", "worker_digits", "DIGITS_METHODS", "summarize_steps",
+           "mlp_param_bytes", "step_spans", "CLUSTER_LINK", "bench"]
 
 
 class _DataParallel(nn.Module):
@@ -630,3 +631,30 @@ def bench(device: torch.device, quick: bool) -> list:
                     f"scales). The 8-bit time includes quantizing in Python, which the "
                     f"byte model leaves out.")),
     ]
+
+
+def step_spans(events: Sequence[tuple[str, str, float]], lane: str
+               ) -> list[tuple[str, str, float, float]]:
+    """Turn one step's events (from :func:`worker_step_time`) into
+    :func:`parlearn.viz.timeline` bars: ``forward``, ``backward`` (to the last gradient)
+    on lane ``lane + " compute"``, and each all-reduce on ``lane + " comm"``: a bucket
+    from launch to done (bucketed), a gradient from the end of backward (or the previous
+    gradient's reduction) to its reduction (naive). All measured times."""
+    at = {}
+    for what, label, t in events:
+        at.setdefault((what, label), t)
+    grads = [t for what, _, t in events if what == "grad"]
+    spans = []
+    if ("forward", "") in at and ("backward", "") in at:
+        spans.append((lane + " compute", "forward", at["forward", ""], at["backward", ""]))
+    if ("backward", "") in at and grads:
+        spans.append((lane + " compute", "backward", at["backward", ""], max(grads)))
+    for what, label, t in events:
+        if what == "launch" and ("done", label) in at:
+            spans.append((lane + " comm", f"all-reduce bucket {label}", t, at["done", label]))
+    prev = max(grads) if grads else None
+    for what, label, t in events:
+        if what == "reduced" and prev is not None:
+            spans.append((lane + " comm", f"all-reduce {label}", prev, t))
+            prev = t
+    return spans

@@ -139,7 +139,7 @@ def _set_flat(model: nn.Module, flat: torch.Tensor) -> None:
 
 
 def worker_backup_sgd(rank: int, world_size: int, model: nn.Module, xs: list[torch.Tensor],
-                      ys: list[torch.Tensor], b: int, delays: DelayModel, *, lr: float,
+                      ys: list[torch.Tensor], b: int, delays: DelayModel, lr: float,
                       steps: int, eval_data=None) -> dict:
     """Synchronous SGD with ``b`` backup workers on real ranks (protocol: module docstring).
 
