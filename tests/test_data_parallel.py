@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -40,19 +41,20 @@ def test_code_layout_sign_exponent_run_indicator_fraction():
         assert int(inside.sum()) == 2 ** (6 - z)
 
 
-def test_quantize_dequantize_roundtrip_every_code():
-    codes = torch.arange(256, dtype=torch.int64).to(torch.uint8)
+def test_quantize_dequantize_roundtrip_every_code(any_device):
+    codes = torch.arange(256, dtype=torch.int64).to(torch.uint8).to(any_device)
     scale = 3.7
     back, s = C.quantize(C.dequantize(codes, scale, torch.float64), scale=scale)
+    assert back.device == codes.device
     assert torch.equal(back, codes) and float(s) == scale
 
 
-def test_quantize_is_nearest_code():
+def test_quantize_is_nearest_code(any_device):
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(500, generator=gen, dtype=torch.float64) * torch.logspace(
-        -6, 0, 500, dtype=torch.float64)
+    x = (torch.randn(500, generator=gen, dtype=torch.float64) * torch.logspace(
+        -6, 0, 500, dtype=torch.float64)).to(any_device)
     codes, s = C.quantize(x)
-    table = C.code_table()
+    table = C.code_table().to(any_device)
     brute = (x[:, None] / s - table[None, :]).abs().min(1).values
     got = (C.dequantize(codes, 1.0, torch.float64) - x / s).abs()
     assert torch.allclose(got, brute, rtol=0, atol=1e-15)
@@ -215,6 +217,27 @@ def test_ddp_dettmers8_hook_trains_and_sends_a_quarter():
     assert wire8 == pytest.approx(wire32 / 4 + 8, rel=0.01)
     acc8, acc32 = out["ddp_dettmers8_hook"]["accuracy"], out["fp32"]["accuracy"]
     assert acc8[-1] > 0.2 and abs(acc8[-1] - acc32[-1]) < 0.1
+
+
+@functools.lru_cache(maxsize=1)
+def _digits_args():
+    from parlearn.datasets import digits
+
+    return (digits(n_train=200), 8, 16, 0.2, 16, 0, 4)
+
+
+@functools.lru_cache(maxsize=1)
+def _fp32_digits():
+    return dist.run(D.worker_digits, 2, args=("fp32", *_digits_args()), timeout=TIMEOUT)[0]
+
+
+@pytest.mark.parametrize("method", ["ddp_fp16_hook", "ddp_powersgd_hook", "8bit_ef"])
+def test_other_compressed_methods_train_like_fp32(method):
+    args = _digits_args()
+    ref = _fp32_digits()
+    got = dist.run(D.worker_digits, 2, args=(method, *args), timeout=TIMEOUT)
+    assert got[0]["accuracy"] == got[1]["accuracy"]       # replicas stayed identical
+    assert abs(got[0]["accuracy"][-1] - ref["accuracy"][-1]) < 0.15
 
 
 # --------------------------------------------------------------------------- cost model
