@@ -33,7 +33,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from .checks import check_choice, check_float, check_int, check_module
+from .checks import check_bool, check_choice, check_float, check_int, check_module
 
 __all__ = ["NaiveDP", "BucketedDP", "CompressedDP", "make_ddp", "TiedMLP", "mlp",
            "train_reference", "shard", "DPStepModel", "dp_step_model", "worker_train", "STEP_KINDS",
@@ -44,9 +44,11 @@ __all__ = ["NaiveDP", "BucketedDP", "CompressedDP", "make_ddp", "TiedMLP", "mlp"
 class _DataParallel(nn.Module):
     """What the from-scratch wrappers share: replica sync at start, hooks, event log."""
 
-    def __init__(self, module: nn.Module, *, group=None) -> None:
+    def __init__(self, module: nn.Module, *, group=None, record: bool = True) -> None:
         super().__init__()
         check_module("module", module)
+        check_bool("record", record)
+        self.record = record
         if not tdist.is_initialized():
             raise RuntimeError("data parallel wrappers need an initialised process group "
                                "(run the worker with parlearn.dist.run or torchrun)")
@@ -56,6 +58,7 @@ class _DataParallel(nn.Module):
         self._sync = True
         self._queued = False
         # (what, label, perf_counter seconds): the order gradients arrive and buckets go.
+        # A few entries per parameter per step: pass record=False for long runs.
         self.events: list[tuple[str, str, float]] = []
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = {id(p): n for n, p in named}
@@ -67,15 +70,19 @@ class _DataParallel(nn.Module):
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
                          for p in self._params]
 
+    def _log(self, what: str, label: str = "") -> None:
+        if self.record:
+            self.events.append((what, label, time.perf_counter()))
+
     def forward(self, *args, **kwargs):
-        self.events.append(("forward", "", time.perf_counter()))
+        self._log("forward")
         out = self.module(*args, **kwargs)
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(self._on_backward_start)
         return out
 
     def _on_backward_start(self, grad):
-        self.events.append(("backward", "", time.perf_counter()))
+        self._log("backward")
         return grad
 
     @contextlib.contextmanager
@@ -88,7 +95,7 @@ class _DataParallel(nn.Module):
             self._sync = previous
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        self.events.append(("grad", self._names[id(p)], time.perf_counter()))
+        self._log("grad", self._names[id(p)])
         if not self._sync:
             return
         if not self._queued:
@@ -108,7 +115,7 @@ class _DataParallel(nn.Module):
                                "every trainable parameter must be used (as in DDP without "
                                "find_unused_parameters)")
         self._finish()
-        self.events.append(("end", "", time.perf_counter()))
+        self._log("end")
 
     def _finish(self) -> None:
         raise NotImplementedError
@@ -128,7 +135,7 @@ class NaiveDP(_DataParallel):
         for p in self._params:
             tdist.all_reduce(p.grad, group=self.group)
             p.grad.div_(self.world_size)
-            self.events.append(("reduced", self._names[id(p)], time.perf_counter()))
+            self._log("reduced", self._names[id(p)])
 
 
 class BucketedDP(_DataParallel):
@@ -144,9 +151,10 @@ class BucketedDP(_DataParallel):
     and when its all-reduce completed (a callback on its future).
     """
 
-    def __init__(self, module: nn.Module, *, bucket_bytes: int = 25 * 2**20, group=None):
+    def __init__(self, module: nn.Module, *, bucket_bytes: int = 25 * 2**20, group=None,
+                 record: bool = True):
         check_int("bucket_bytes", bucket_bytes, lo=1)
-        super().__init__(module, group=group)
+        super().__init__(module, group=group, record=record)
         self.bucket_bytes = bucket_bytes
         self._bucket_params: list[list[torch.Tensor]] = []
         size = 0
@@ -170,10 +178,10 @@ class BucketedDP(_DataParallel):
         while self._next < len(self._bucket_params) and self._pending[self._next] == 0:
             i = self._next
             flat = torch.cat([p.grad.reshape(-1) for p in self._bucket_params[i]])
-            self.events.append(("launch", str(i), time.perf_counter()))
+            self._log("launch", str(i))
             work = tdist.all_reduce(flat, group=self.group, async_op=True)
-            work.get_future().then(
-                lambda _f, i=i: self.events.append(("done", str(i), time.perf_counter())))
+            if self.record:     # the future's callback runs when gloo has finished
+                work.get_future().then(lambda _f, i=i: self._log("done", str(i)))
             self._inflight.append((work, flat))
             self._next += 1
 
@@ -200,10 +208,12 @@ class CompressedDP(_DataParallel):
     :func:`parlearn.compression.compressed_all_reduce` (8-bit dynamic-tree codes),
     optionally with error feedback; the averages are written back into ``.grad``."""
 
-    def __init__(self, module: nn.Module, *, error_feedback: bool = False, group=None):
+    def __init__(self, module: nn.Module, *, error_feedback: bool = False, group=None,
+                 record: bool = True):
         from .compression import ErrorFeedback
 
-        super().__init__(module, group=group)
+        check_bool("error_feedback", error_feedback)
+        super().__init__(module, group=group, record=record)
         self.error_feedback = ErrorFeedback() if error_feedback else None
 
     def _finish(self) -> None:
@@ -506,8 +516,9 @@ def worker_digits(rank: int, world_size: int, method: str, data, steps: int, bat
     our 8-bit all-reduce without / with error feedback, or DDP with torch's fp16 or
     PowerSGD hook or our 8-bit hook). Each step every rank draws its own ``batch``
     examples (seeded by rank and step); plain SGD. Returns ``steps_at``, the test
-    accuracy there, and the ledger's payload bytes of the first step by kind (empty for
-    the DDP hooks torch calls from C++, except our hook, which is Python)."""
+    accuracy there (of this rank's replica), and the ledger's payload bytes of the first
+    step by kind. The comm hooks (torch's and ours) issue their collectives from Python,
+    so the ledger sees them; plain DDP without a hook is not used here."""
     from .compression import Dettmers8HookState, dettmers8_hook
     from .dist import ledger
 
