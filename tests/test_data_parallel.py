@@ -11,6 +11,7 @@ import torch
 from parlearn import compression as C
 from parlearn import data_parallel as D
 from parlearn import dist
+from parlearn import dp_workers as W
 
 TIMEOUT = 60  # every multi-rank run is bounded: a hung rank raises instead of hanging
 
@@ -210,7 +211,7 @@ def test_ddp_dettmers8_hook_trains_and_sends_a_quarter():
     data = digits(n_train=200)
     out = {}
     for method in ("fp32", "ddp_dettmers8_hook"):
-        out[method] = dist.run(D.worker_digits, 2, args=(method, data, 6, 16, 0.2, 16, 0, 3),
+        out[method] = dist.run(W.worker_digits, 2, args=(method, data, 6, 16, 0.2, 16, 0, 3),
                                timeout=TIMEOUT)[0]
     wire8 = sum(dist.ring_bytes(k, b, 2) for k, b in out["ddp_dettmers8_hook"]["bytes"].items())
     wire32 = sum(dist.ring_bytes(k, b, 2) for k, b in out["fp32"]["bytes"].items())
@@ -228,14 +229,14 @@ def _digits_args():
 
 @functools.lru_cache(maxsize=1)
 def _fp32_digits():
-    return dist.run(D.worker_digits, 2, args=("fp32", *_digits_args()), timeout=TIMEOUT)[0]
+    return dist.run(W.worker_digits, 2, args=("fp32", *_digits_args()), timeout=TIMEOUT)[0]
 
 
 @pytest.mark.parametrize("method", ["ddp_fp16_hook", "ddp_powersgd_hook", "8bit_ef"])
 def test_other_compressed_methods_train_like_fp32(method):
     args = _digits_args()
     ref = _fp32_digits()
-    got = dist.run(D.worker_digits, 2, args=(method, *args), timeout=TIMEOUT)
+    got = dist.run(W.worker_digits, 2, args=(method, *args), timeout=TIMEOUT)
     assert got[0]["accuracy"] == got[1]["accuracy"]       # replicas stayed identical
     assert abs(got[0]["accuracy"][-1] - ref["accuracy"][-1]) < 0.15
 
@@ -282,7 +283,7 @@ def test_backup_workers_never_wait_for_the_straggler(b):
 
     steps, workers = 3, 3
     xs, ys = _straggler_data(workers, steps)
-    model = D.mlp([5, 4, 3], dtype=torch.float64)
+    model = W.mlp([5, 4, 3], dtype=torch.float64)
     delays = DelayModel(kind="none", slow=((3, 0.5),))     # rank 3 is always late
     res = dist.run(_backup, workers + 1, args=(model, xs, ys, b, delays, steps),
                    timeout=TIMEOUT)
