@@ -103,14 +103,14 @@ DIGITS_METHODS = ("fp32", "8bit", "8bit_ef", "ddp_fp16_hook", "ddp_powersgd_hook
 def worker_digits(rank: int, world_size: int, method: str, data, steps: int, batch: int,
                   lr: float, hidden: int = 64, seed: int = 0, eval_every: int = 10) -> dict:
     """Train an MLP on ``data`` (a ``parlearn.datasets.digits()`` split, loaded once by
-    the caller) with data parallelism, averaging
-    gradients by ``method`` (one of :data:`DIGITS_METHODS`: fp32 bucketed all-reduce,
-    our 8-bit all-reduce without / with error feedback, or DDP with torch's fp16 or
-    PowerSGD hook or our 8-bit hook). Each step every rank draws its own ``batch``
-    examples (seeded by rank and step); plain SGD. Returns ``steps_at``, the test
-    accuracy there (of this rank's replica), and the ledger's payload bytes of the first
-    step by kind. The comm hooks (torch's and ours) issue their collectives from Python,
-    so the ledger sees them; plain DDP without a hook is not used here."""
+    the caller) with data parallelism, averaging gradients by ``method`` (one of
+    :data:`DIGITS_METHODS`: fp32 bucketed all-reduce, our 8-bit all-reduce without / with
+    error feedback, or DDP with torch's fp16 or PowerSGD hook or our 8-bit hook). Each
+    step every rank draws its own ``batch`` examples (seeded by rank and step); plain
+    SGD. Returns ``steps_at``, the test accuracy there (of this rank's replica), and the
+    ledger's payload bytes of the last step by kind (PowerSGD's hook sends plain fp32 in
+    its first 2 steps). The comm hooks, torch's and ours, issue their collectives from
+    Python, so the ledger sees them; plain DDP without a hook is not used here."""
     from .compression import Dettmers8HookState, dettmers8_hook
     from .dist import ledger
 
@@ -133,22 +133,21 @@ def worker_digits(rank: int, world_size: int, method: str, data, steps: int, bat
             wrapped.register_comm_hook(Dettmers8HookState(), dettmers8_hook)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     n = data.x_train.shape[0]
-    steps_at, acc, first = [], [], {}
+    steps_at, acc, last = [], [], {}
     for step in range(steps):
         gen = torch.Generator().manual_seed(seed * 100003 + step * 101 + rank)
         idx = torch.randint(0, n, (batch,), generator=gen)
         with ledger() as led:
             opt.zero_grad(set_to_none=True)
             nn.functional.cross_entropy(wrapped(data.x_train[idx]), data.y_train[idx]).backward()
-        if step == 0:
-            first = {k: v[1] for k, v in led.summary().items()}
+        last = {k: v[1] for k, v in led.summary().items()}
         opt.step()
         if (step + 1) % eval_every == 0 or step == steps - 1:
             with torch.no_grad():
                 pred = model(data.x_test).argmax(1)
             steps_at.append(step + 1)
             acc.append(float((pred == data.y_test).double().mean()))
-    return {"steps_at": steps_at, "accuracy": acc, "bytes": first}
+    return {"steps_at": steps_at, "accuracy": acc, "bytes": last}
 
 
 def summarize_steps(results: Sequence[dict], *, skip: int = 1) -> dict[str, dict]:
