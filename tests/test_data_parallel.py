@@ -338,3 +338,21 @@ def test_compressed_all_reduce_time_counts_its_four_collectives():
     want = 4 * 1e-3 + 2 * (10 / 2 + 8 / 2) * 1e-6
     assert C.compressed_all_reduce_time(10, 2, ab) == pytest.approx(want)
     assert C.compressed_all_reduce_time(10, 1, ab) == 0.0
+
+
+def test_step_spans_and_summaries_from_event_logs():
+    ev = [("forward", "", 0.0), ("backward", "", 1.0), ("grad", "b", 1.5), ("launch", "0", 1.6),
+          ("grad", "a", 2.0), ("launch", "1", 2.1), ("done", "0", 2.5), ("done", "1", 3.0),
+          ("end", "", 3.1)]
+    spans = W.step_spans(ev, "r0")
+    assert ("r0 compute", "forward", 0.0, 1.0) in spans
+    assert ("r0 compute", "backward", 1.0, 2.0) in spans
+    assert ("r0 comm", "all-reduce bucket 0", 1.6, 2.5) in spans
+    assert ("r0 comm", "all-reduce bucket 1", 2.1, 3.0) in spans
+    naive = W.step_spans([("grad", "a", 1.0), ("reduced", "a", 1.5), ("reduced", "b", 2.5)], "r")
+    assert naive == [("r comm", "all-reduce a", 1.0, 1.5), ("r comm", "all-reduce b", 1.5, 2.5)]
+    res = [{"k": {"times": [9.0, 1.0, 2.0, 3.0], "bytes": {"all_reduce": 8}}},
+           {"k": {"times": [9.0, 4.0, 1.0, 1.0], "bytes": {"all_reduce": 8}}}]
+    s = W.summarize_steps(res)["k"]          # slowest rank per step: 4, 2, 3 after the first
+    assert s["median"] == 3.0 and s["bytes"] == {"all_reduce": 8}
+    assert W.mlp_param_bytes([3, 4, 2]) == [48, 16, 32, 8]
