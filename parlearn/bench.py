@@ -53,6 +53,7 @@ BENCHES: dict[str, tuple[str, str]] = {
                   "layer-parallel forward/backward (MGRIT) vs the best serial ResNet"),
     "dither": ("parlearn.dither",
                "P=64 noisy copies: one batched forward/backward vs a loop over copies"),
+    "data_parallel": ("parlearn.dp_workers", "DP step: bucketed vs naive; 8-bit vs fp32"),
     "decoding": ("parlearn.decoding",
                  "forward passes per sequence at >= 99% validity, and the decoder's own time"),
     "dist": ("parlearn.dist", "ring all-reduce from send/recv vs all_reduce; measured/modeled"),
