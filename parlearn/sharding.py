@@ -50,7 +50,8 @@ from .checks import check_choice, check_float, check_int, check_module, check_se
 __all__ = ["STAGES", "PRECISIONS", "FlatShard", "adam_update", "ShardedAdam", "mlp",
            "regression_data", "storage_bytes", "Spec", "train_serial", "train_sharded",
            "measure_memory", "ledger_wire_bytes",
-           "train_engine", "memory_model", "comm_model", "gpus_needed", "jax_sharded_adam",
+           "train_engine", "memory_model", "comm_model", "gpus_needed", "draw_stages", "step_times",
+           "jax_sharded_adam",
            "jax_sharded_adam_subprocess", "bench"]
 
 STAGES = (0, 1, 2, 3)
@@ -671,6 +672,39 @@ def ledger_wire_bytes(records: Sequence[tuple[str, int]], world_size: int) -> fl
     return sum(dist.ring_bytes(kind, nbytes, world_size) for kind, nbytes in records)
 
 
+def draw_stages(axes, world_size: int = 4) -> None:
+    """Draw what each rank holds in stages 0-3: one panel per stage, one row per rank.
+
+    Each row has three boxes (parameters, gradients, Adam state) of widths 2 : 2 : 12 (the
+    ZeRO paper's bf16-mixed bytes per parameter); the filled part is what this rank keeps,
+    split into N slices so the shard it owns shows where it sits.
+    """
+    from matplotlib.patches import Rectangle
+
+    n = check_int("world_size", world_size, lo=1)
+    if len(axes) != len(STAGES):
+        raise ValueError(f"axes must hold {len(STAGES)} axes, one per stage, got {len(axes)}")
+    widths = PRECISIONS["bf16-mixed"]
+    colors = ("C0", "C1", "C2")
+    names = ("params", "grads", "Adam state")
+    for stage, ax in zip(STAGES, axes, strict=True):
+        sharded = (stage >= 3, stage >= 2, stage >= 1)
+        for r in range(n):
+            x = 0.0
+            for w, c, full in zip(widths, colors, (not s for s in sharded), strict=True):
+                ax.add_patch(Rectangle((x, r), w, 0.8, fill=False, edgecolor="gray"))
+                lo, width = (x, w) if full else (x + w * r / n, w / n)
+                ax.add_patch(Rectangle((lo, r), width, 0.8, color=c, alpha=0.8))
+                x += w + 0.5
+        ax.set(xlim=(0, sum(widths) + 1.5), ylim=(n, -0.2), xticks=[], yticks=
+               [r + 0.4 for r in range(n)], yticklabels=[f"rank {r}" for r in range(n)])
+        total = memory_model(1, n, stage)["total"]
+        ax.set_title(f"stage {stage}: {total:.3g} B/param per rank (N={n})", fontsize=10)
+    for w, c, name in zip(widths, colors, names, strict=True):
+        axes[-1].bar(0, 0, color=c, label=f"{name} ({w} B/param)")
+    axes[-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize="small")
+
+
 # ---------------------------------------------------------------------------------------------
 # JAX: the same update with an explicit psum_scatter on a mesh
 # ---------------------------------------------------------------------------------------------
@@ -806,6 +840,15 @@ def jax_sharded_adam_subprocess(n_devices: int = 8, *, timeout: float = 120, **k
 # Bench
 # ---------------------------------------------------------------------------------------------
 
+def _quartiles(times: Sequence[float]) -> tuple[float, float]:
+    import statistics
+
+    if len(times) < 2:
+        return times[0], times[0]
+    q = statistics.quantiles(sorted(times), n=4, method="inclusive")
+    return q[0], q[2]
+
+
 def _worker_bench(rank: int, world_size: int, spec: Spec, repeat: int) -> dict:
     """Interleaved step times of stages 0-3 on the same rank, and bytes held by each."""
     from .timing import compare
@@ -823,9 +866,25 @@ def _worker_bench(rank: int, world_size: int, spec: Spec, repeat: int) -> dict:
         opts[stage], closures[f"stage {stage}"] = opt, one_step
     cmp = compare(closures, warmup=1, repeat=repeat)
     return {"times": {k: t.median for k, t in cmp.timings.items()},
+            "quartiles": {k: _quartiles(t.times) for k, t in cmp.timings.items()},
             "reliable": cmp.reliable,
             "held": {s: o.held_bytes() for s, o in opts.items()},
             "padded_numel": opts[1].padded_numel}
+
+
+def step_times(spec: Spec, world_size: int = 2, *, repeat: int = 5,
+               timeout: float = 120) -> dict:
+    """Median seconds per training step of stages 0-3, measured interleaved on real ranks.
+
+    Rank 0's :func:`parlearn.timing.compare` of one step of each stage (same model, same
+    local batch, one intra-op thread): ``times`` (medians), ``quartiles`` (first and third,
+    seconds), ``reliable``, and ``held`` (the bytes each stage holds) with ``padded_numel``.
+    """
+    from . import dist
+
+    check_int("world_size", world_size, lo=1)
+    check_int("repeat", repeat, lo=1)
+    return dist.run(_worker_bench, world_size, args=(spec, repeat), timeout=timeout)[0]
 
 
 def bench(device: torch.device, quick: bool) -> list:
@@ -834,24 +893,23 @@ def bench(device: torch.device, quick: bool) -> list:
     2 gloo ranks on CPU whatever ``device`` is (the collectives are the point here).
     Step-time ratios are plain DP time / stage time, measured interleaved on each rank.
     """
-    from . import dist
     from .bench import Row
 
     spec = Spec(sizes=(64, 256, 256, 16) if quick else (256, 1024, 1024, 64), batch=16,
                 dtype=torch.float32)
     world = 2
-    res = dist.run(_worker_bench, world, args=(spec, 3 if quick else 10), timeout=300)
+    res = step_times(spec, world, repeat=3 if quick else 10, timeout=300)
     rows = []
     for stage in STAGES[1:]:
-        held = res[0]["held"][stage]["total"]
-        model = memory_model(res[0]["padded_numel"], world, stage, "fp32")["total"]
-        ratio = res[0]["times"]["stage 0"] / res[0]["times"][f"stage {stage}"]
+        held = res["held"][stage]["total"]
+        model = memory_model(res["padded_numel"], world, stage, "fp32")["total"]
+        ratio = res["times"]["stage 0"] / res["times"][f"stage {stage}"]
         rows.append(Row(f"sharding stage {stage}, {spec.n_params} params, N={world}",
                         "plain DP step (stage 0)", f"ZeRO-{stage} step", ratio, "cpu (gloo)",
                         "memory measured == modeled", held == model,
                         f"held {held / 2**20:.2f} MiB per rank measured, {model / 2**20:.2f} "
                         f"MiB modeled (fp32, padded); plain DP holds "
-                        f"{res[0]['held'][0]['total'] / 2**20:.2f} MiB"
-                        + ("" if res[0]["reliable"] else "; timing unreliable (busy cores)")))
+                        f"{res['held'][0]['total'] / 2**20:.2f} MiB"
+                        + ("" if res["reliable"] else "; timing unreliable (busy cores)")))
     return rows
 
