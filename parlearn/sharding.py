@@ -168,6 +168,7 @@ class _Unit:
                                              # stages 2-3, for one step in stage 1)
     param_shard: torch.Tensor | None = None  # stage 3: our shard of the parameters
     ready: int = 0                           # parameters whose gradient has landed
+    reduced: bool = False                    # stages 2-3: gradient reduce-scattered this step
     hooks: list = field(default_factory=list)
 
 
@@ -191,6 +192,9 @@ class ShardedAdam:
 
     Gradients are averaged over ranks (SUM then /N), as DDP does: with equal local batch
     sizes and a mean loss, the update equals single-process Adam on the whole batch.
+    Stages 2-3 take exactly one backward per step (a second one raises ``RuntimeError``:
+    no gradient accumulation). In stage 3 the model's parameters are only materialised
+    inside its forward and backward; read them with :meth:`full_parameters`.
     Units are the modules that own parameters directly, each one flat padded buffer.
     The model's initial parameters must be equal on every rank.
     """
@@ -281,6 +285,12 @@ class ShardedAdam:
         if unit.ready < len(unit.params):
             return
         unit.ready = 0
+        if unit.reduced:
+            # A second backward would overwrite the shard, not add to it: refuse, not corrupt.
+            raise RuntimeError(f"stage {self.stage}: a second backward before step(); gradient "
+                               "accumulation is not supported here (call step() after each "
+                               "backward, or use stage 0 or 1)")
+        unit.reduced = True
         with torch.no_grad():
             flat_grad = unit.layout.flatten([p.grad for p in unit.params])
         for p in unit.params:
@@ -302,6 +312,7 @@ class ShardedAdam:
         self.steps += 1
         adam = dict(lr=self.lr, betas=self.betas, eps=self.eps)
         for unit in self.units:
+            unit.reduced = False
             if self.stage == 0:
                 tdist.all_reduce(unit.flat_grad, group=self.group)
                 unit.flat_grad.div_(self.world_size)
@@ -490,6 +501,15 @@ def _worker_train(rank: int, world_size: int, spec: Spec, stage: int) -> dict:
         out["params"].append(opt.full_parameters())
     opt.remove_hooks()
     return out
+
+
+def _worker_two_backwards(rank: int, world_size: int, spec: Spec, stage: int) -> None:
+    model = spec.model()
+    opt = ShardedAdam(model, stage=stage, lr=spec.lr)
+    x, y = _local_batch(spec, rank, world_size, 0)
+    for _ in range(2):
+        opt.zero_grad()
+        _loss(model, x, y).backward()
 
 
 def train_sharded(spec: Spec, stage: int, world_size: int = 2, *, timeout: float = 60) -> list:

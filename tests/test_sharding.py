@@ -46,13 +46,14 @@ def test_flat_shard_pads_uneven_sizes_and_unpads_exactly():
     assert layouts[0].views(flat)[1][0, 0] == -1.0
 
 
-def test_adam_on_shards_equals_torch_adam_on_the_whole_tensor():
+def test_adam_on_shards_equals_torch_adam_on_the_whole_tensor(any_device):
     gen = torch.Generator().manual_seed(1)
-    p0 = torch.randn(11, generator=gen, dtype=torch.float64)
-    grads = [torch.randn(11, generator=gen, dtype=torch.float64) for _ in range(4)]
+    p0 = torch.randn(11, generator=gen, dtype=torch.float64).to(any_device)
+    grads = [torch.randn(11, generator=gen, dtype=torch.float64).to(any_device)
+             for _ in range(4)]
     ref = p0.clone().requires_grad_()
     opt = torch.optim.Adam([ref], lr=0.05, betas=(0.8, 0.99), eps=1e-6, foreach=False)
-    p, m, v = p0.clone(), torch.zeros(11, dtype=torch.float64), torch.zeros(11, dtype=torch.float64)
+    p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
     for t, g in enumerate(grads, start=1):
         ref.grad = g.clone()
         opt.step()
@@ -155,6 +156,14 @@ def test_every_stage_equals_single_process_adam_step_by_step(stage, world_size):
                 gathers = kinds.count("all_gather_single")
                 assert gathers == (4 if stage == 3 else 2)          # per unit: 2 or 1
                 assert kinds.count("reduce_scatter_single") == 2
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_second_backward_before_step_is_refused_in_stages_2_and_3(stage):
+    from parlearn import dist
+
+    with pytest.raises(dist.RankError, match="second backward"):
+        dist.run(S._worker_two_backwards, 2, args=(SPEC, stage), timeout=30)
 
 
 def test_stages_1_and_2_send_exactly_what_plain_dp_sends():
