@@ -27,8 +27,9 @@ of the ZeRO paper; :func:`comm_model` the bytes each stage sends; :func:`jax_sha
 the same update in JAX with an explicit ``psum_scatter`` on a mesh of fake CPU devices.
 
 Workers run under :func:`parlearn.dist.run` (or ``torchrun``: each worker only needs an
-initialised process group). Everything here is CPU-friendly; float64 is used where
-exactness is the point.
+initialised process group). The runners here put CPU tensors on gloo ranks, also on a
+machine with GPUs; ``ShardedAdam`` itself uses whatever device the model is on (it has been
+checked on CPU/gloo only). float64 is used where exactness is the point.
 """
 
 from __future__ import annotations
@@ -186,9 +187,10 @@ class ShardedAdam:
     Stage 2: as stage 1, but each unit's gradient is reduce-scattered from a hook the moment
     it is complete and the full gradient is dropped: only the shard is kept (ZeRO-2).
     Stage 3: parameters live as shards; a forward pre-hook all-gathers a unit's parameters,
-    a forward hook frees them, a backward pre-hook gathers them again and the gradient hook
-    frees them after the reduce-scatter (ZeRO-3 / FSDP). Freeing resizes the storage to 0
-    (what FSDP1 does), so autograd's saved references see the re-gathered values.
+    a forward hook frees them and hooks the unit's output, whose gradient arriving in
+    backward gathers them again; the gradient hook frees them after the reduce-scatter
+    (ZeRO-3 / FSDP). Freeing resizes the storage to 0 (what FSDP1 does), so the references
+    autograd saved in forward see the re-gathered values in backward.
 
     Gradients are averaged over ranks (SUM then /N), as DDP does: with equal local batch
     sizes and a mean loss, the update equals single-process Adam on the whole batch.
@@ -240,7 +242,6 @@ class ShardedAdam:
                 p.grad = g                      # autograd accumulates into the flat buffer
         if self.stage >= 2:
             unit.grad_shard = torch.zeros_like(layout.shard(flat))
-        if self.stage >= 2:
             for p in params:
                 unit.hooks.append(p.register_post_accumulate_grad_hook(
                     lambda _p, u=unit: self._on_grad(u)))
@@ -525,7 +526,8 @@ def train_sharded(spec: Spec, stage: int, world_size: int = 2, *, timeout: float
 
     check_choice("stage", stage, STAGES)
     check_int("world_size", world_size, lo=1)
-    return dist.run(_worker_train, world_size, args=(spec, stage), timeout=timeout)
+    return dist.run(_worker_train, world_size, args=(spec, stage), backend="gloo",
+                    timeout=timeout)
 
 
 def _worker_memory(rank: int, world_size: int, spec: Spec) -> dict:
@@ -553,7 +555,7 @@ def measure_memory(spec: Spec, world_size: int = 2, *, timeout: float = 60) -> l
     from . import dist
 
     check_int("world_size", world_size, lo=1)
-    return dist.run(_worker_memory, world_size, args=(spec,), timeout=timeout)
+    return dist.run(_worker_memory, world_size, args=(spec,), backend="gloo", timeout=timeout)
 
 
 def _worker_engine(rank: int, world_size: int, spec: Spec, engine: str) -> dict:
@@ -594,14 +596,18 @@ def _worker_engine(rank: int, world_size: int, spec: Spec, engine: str) -> dict:
         def state_numel() -> int:
             return sum(s["exp_avg"].to_local().numel() + s["exp_avg_sq"].to_local().numel()
                        for s in opt.state.values())
-    out: dict = {"params": [flat()], "losses": []}
+    from . import dist
+
+    out: dict = {"params": [flat()], "losses": [], "records": []}
     for step in range(spec.steps):
         x, y = _local_batch(spec, rank, world_size, step)
-        opt.zero_grad()
-        loss = _loss(net, x, y)
-        loss.backward()
-        opt.step()
+        with dist.ledger() as led:
+            opt.zero_grad()
+            loss = _loss(net, x, y)
+            loss.backward()
+            opt.step()
         out["losses"].append(loss.item())
+        out["records"].append([(r.kind, r.bytes) for r in led.records])
         out["params"].append(flat())
     grads = [p.grad for p in model.parameters()]
     moments = [t for s in (opt.optim.state if engine == "zero" else opt.state).values()
@@ -619,14 +625,18 @@ def train_engine(spec: Spec, engine: str, world_size: int = 2, *, timeout: float
     Adam (stage 1; it assigns whole tensors to ranks, so shards are uneven).
     ``engine="fsdp2"``: ``fully_shard`` on every layer and the root over
     ``init_device_mesh("cpu", (world_size,))`` (stage 3), with plain ``torch.optim.Adam``
-    on the sharded DTensor parameters. Keys: ``params``, ``losses``, ``held`` (bytes after
-    the last step; Adam's step counters left out) and ``state_numel``.
+    on the sharded DTensor parameters. Keys: ``params``, ``losses``, ``records`` (per step,
+    the collectives the ledger saw: FSDP2's all-gathers and reduce-scatters go through
+    ``torch.distributed``'s Python API, DDP's gradient all-reduce runs in C++ and is not
+    seen), ``held`` (bytes after the last step; Adam's step counters left out) and
+    ``state_numel``.
     """
     from . import dist
 
     check_choice("engine", engine, ("zero", "fsdp2"))
     check_int("world_size", world_size, lo=1)
-    return dist.run(_worker_engine, world_size, args=(spec, engine), timeout=timeout)
+    return dist.run(_worker_engine, world_size, args=(spec, engine), backend="gloo",
+                    timeout=timeout)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -904,7 +914,8 @@ def step_times(spec: Spec, world_size: int = 2, *, repeat: int = 5,
 
     check_int("world_size", world_size, lo=1)
     check_int("repeat", repeat, lo=1)
-    return dist.run(_worker_bench, world_size, args=(spec, repeat), timeout=timeout)[0]
+    return dist.run(_worker_bench, world_size, args=(spec, repeat), backend="gloo",
+                    timeout=timeout)[0]
 
 
 def bench(device: torch.device, quick: bool) -> list:

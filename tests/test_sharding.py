@@ -163,7 +163,7 @@ def test_a_second_backward_before_step_is_refused_in_stages_2_and_3(stage):
     from parlearn import dist
 
     with pytest.raises(dist.RankError, match="second backward"):
-        dist.run(S._worker_two_backwards, 2, args=(SPEC, stage), timeout=30)
+        dist.run(S._worker_two_backwards, 2, args=(SPEC, stage), backend="gloo", timeout=30)
 
 
 def test_stages_1_and_2_send_exactly_what_plain_dp_sends():
@@ -208,6 +208,13 @@ def test_real_engines_equal_the_from_scratch_stages(engine, stage):
         # FSDP2 splits every tensor along dim 0: each rank about half, never the whole.
         assert all(s < 2 * SPEC.n_params for s in state)
         assert sum(state) == 2 * SPEC.n_params
+        # ...and issues the collectives of our stage 3: per unit and step, two all-gathers
+        # of the parameters (forward, backward) and one reduce-scatter of the gradient.
+        for a, b in zip(ours, theirs, strict=True):
+            for mine, fsdp in zip(a["records"], b["records"], strict=True):
+                assert sorted(k for k, _ in fsdp) == sorted(k for k, _ in mine)
+                # FSDP2 pads each tensor's dim 0, we pad each flat unit: it sends no less.
+                assert S.ledger_wire_bytes(fsdp, ws) >= S.ledger_wire_bytes(mine, ws)
 
 
 # --- JAX ----------------------------------------------------------------------------------------
