@@ -38,9 +38,7 @@ and seconds.
 from __future__ import annotations
 
 import ast
-import contextlib
 import datetime
-import functools
 import importlib
 import itertools
 import multiprocessing as mp
@@ -48,21 +46,22 @@ import multiprocessing.connection
 import os
 import pickle
 import sys
-import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as tdist
 
 from .checks import check_callable, check_choice, check_float, check_int
+from .dist_ledger import Ledger, Record, ledger
 from .dist_model import AlphaBeta, collective_time, fit_alpha_beta, ring_bytes
 
 __all__ = ["run", "RankError", "device_for", "default_backend", "ledger", "Ledger", "Record",
-           "AlphaBeta", "collective_time", "fit_alpha_beta", "ring_bytes", "main"]
+           "AlphaBeta", "collective_time", "fit_alpha_beta", "ring_bytes", "sweep_collective",
+           "measure_alpha_beta", "DEFAULT_SIZES", "bench", "main"]
 
 _HOST = "127.0.0.1"
 _run_ids = itertools.count()
@@ -284,7 +283,12 @@ def run(fn: Callable, world_size: int = 2, *, args: Sequence = (), backend: str 
             p = ctx.Process(target=_child, name=f"parlearn-rank{rank}", daemon=True,
                             args=(fn, rank, world_size, tuple(args), backend, timeout,
                                   store.port, prefix, send))
-            p.start()
+            with warnings.catch_warnings():
+                # Python >= 3.12 warns on fork from a threaded process; the child's first act
+                # (one intra-op thread) is what makes it safe for torch (module docstring).
+                warnings.filterwarnings("ignore", "This process .* is multi-threaded",
+                                        DeprecationWarning)
+                p.start()
             send.close()
             procs.append(p)
             conns[recv] = rank
@@ -304,147 +308,101 @@ def run(fn: Callable, world_size: int = 2, *, args: Sequence = (), backend: str 
 
 
 # ---------------------------------------------------------------------------------------
-# The ledger: what each collective sent, per rank.
+# Measuring collectives on real ranks, and fitting the alpha-beta model to them.
 
-@dataclass(frozen=True)
-class Record:
-    """One collective call on this rank: ``bytes`` is its payload as passed (see
-    :func:`ledger`), ``seconds`` its wall time (issue time only for async calls),
-    ``ranks`` the size of the group it ran on."""
-
-    kind: str
-    bytes: int
-    seconds: float
-    ranks: int
+# Payload sizes (bytes) of the default sweep: 64 B to 4 MiB, four per decade or so.
+DEFAULT_SIZES = tuple(int(2 ** (k / 2)) // 4 * 4 for k in range(12, 45))
 
 
-class Ledger:
-    """The records of one ``with ledger():`` block (on one rank)."""
-
-    def __init__(self) -> None:
-        self.records: list[Record] = []
-
-    def record(self, kind: str, nbytes: int, seconds: float, ranks: int) -> None:
-        """Add a record by hand, e.g. from a DDP communication hook that torch calls from C++."""
-        self.records.append(Record(kind, int(nbytes), float(seconds), int(ranks)))
-
-    def _of(self, kind: str | None) -> list[Record]:
-        return [r for r in self.records if kind is None or r.kind == kind]
-
-    def bytes(self, kind: str | None = None) -> int:
-        """Total payload bytes of the records (of one ``kind`` when given)."""
-        return sum(r.bytes for r in self._of(kind))
-
-    def count(self, kind: str | None = None) -> int:
-        """Number of records (of one ``kind`` when given)."""
-        return len(self._of(kind))
-
-    def seconds(self, kind: str | None = None) -> float:
-        """Total wall time of the records (of one ``kind`` when given)."""
-        return sum(r.seconds for r in self._of(kind))
-
-    def summary(self) -> dict[str, tuple[int, int, float]]:
-        """``{kind: (count, bytes, seconds)}`` in order of first appearance."""
-        return {k: (self.count(k), self.bytes(k), self.seconds(k))
-                for k in dict.fromkeys(r.kind for r in self.records)}
+def _label(backend: str, world_size: int) -> str:
+    where = "GPUs" if backend == "nccl" else f"CPU, {os.cpu_count()} cores"
+    return f"{world_size} {backend} ranks on {where}"
 
 
-def _nbytes(t: Any) -> int:
-    if isinstance(t, torch.Tensor):
-        return t.numel() * t.element_size()
-    if isinstance(t, (list, tuple)):
-        return sum(_nbytes(x) for x in t)
-    return 0
+def sweep_collective(kinds: Sequence[str] = ("all_reduce",), sizes: Sequence[int] = DEFAULT_SIZES,
+                     world_size: int = 2, *, repeat: int = 5, warmup: int = 1,
+                     backend: str | None = None, timeout: float = 30) -> dict:
+    """Measure ``kinds`` (each of :data:`parlearn.collectives.TIMED_KINDS`) at payload
+    ``sizes`` (bytes of float32) on ``world_size`` real ranks, interleaved repeat by repeat.
 
-
-# kind -> which positional argument is the payload (see ledger's docstring for the rule).
-_PAYLOAD = {
-    "all_reduce": 0, "broadcast": 0, "reduce": 0, "send": 0, "recv": 0, "isend": 0,
-    "irecv": 0, "gather": 0, "scatter": 0, "all_gather": 0, "all_gather_into_tensor": 0,
-    "all_gather_single": 0, "reduce_scatter": 1, "reduce_scatter_tensor": 1,
-    "reduce_scatter_single": 1, "all_to_all": 1, "all_to_all_single": 1,
-    "all_reduce_coalesced": 0, "barrier": None, "batch_isend_irecv": 0,
-}
-_KEYWORD = {"all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor",
-            "send": "tensor", "recv": "tensor", "isend": "tensor", "irecv": "tensor",
-            "gather": "tensor", "scatter": "tensor", "all_gather": "tensor_list",
-            "all_gather_into_tensor": "output_tensor", "all_gather_single": "output",
-            "reduce_scatter": "input_list", "reduce_scatter_tensor": "input",
-            "reduce_scatter_single": "input", "all_to_all": "input_tensor_list",
-            "all_to_all_single": "input", "all_reduce_coalesced": "tensors",
-            "batch_isend_irecv": "p2p_op_list"}
-
-_active: list[Ledger] = []
-_originals: dict[str, Callable] = {}
-_inside = threading.local()
-
-
-def _payload(kind: str, args: tuple, kwargs: dict) -> int:
-    pos = _PAYLOAD[kind]
-    if pos is None:
-        return 0
-    value = args[pos] if len(args) > pos else kwargs.get(_KEYWORD[kind])
-    if kind == "batch_isend_irecv":
-        return sum(_nbytes(op.tensor) for op in value)
-    return _nbytes(value)
-
-
-def _recording(kind: str, original: Callable) -> Callable:
-    @functools.wraps(original)
-    def wrapper(*args, **kwargs):
-        if getattr(_inside, "depth", 0):  # a collective called by another is not counted twice
-            return original(*args, **kwargs)
-        nbytes = _payload(kind, args, kwargs)
-        group = kwargs.get("group")
-        _inside.depth = 1
-        t0 = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            seconds = time.perf_counter() - t0
-            _inside.depth = 0
-            ranks = tdist.get_world_size(group) if tdist.is_initialized() else 1
-            for led in _active:
-                led.record(kind, nbytes, seconds, ranks)
-    return wrapper
-
-
-@contextlib.contextmanager
-def ledger() -> Iterator[Ledger]:
-    """Record every collective this process issues through ``torch.distributed``'s Python
-    API inside the block (module attributes are wrapped on entry and restored on exit;
-    nested ledgers each see every call).
-
-    ``bytes`` is the payload as passed: the tensor for all_reduce, broadcast, reduce,
-    send/recv/isend/irecv; the OUTPUT for all_gather(_into_tensor, _single) (the whole
-    gathered tensor); the INPUT for reduce_scatter(_tensor, _single) and all_to_all(_single);
-    what this rank contributes for gather and receives for scatter; 0 for barrier. Wire
-    traffic under a given algorithm is :func:`ring_bytes`. Calls ``torch`` makes from C++
-    (DDP's gradient buckets) and functional collectives (DTensor) are not seen: count
-    those with ``torch.distributed.tensor.debug.CommDebugMode`` or :meth:`Ledger.record`.
-    Async calls (``async_op=True``, isend, irecv) are timed at issue only.
+    A repeat's time is the slowest rank's (a collective is done when its last rank is).
+    Returns ``{"sizes", "world_size", "device", "reliable", "median_s": {kind: [...]},
+    "q1_s", "q3_s", "spread": {kind: [...]}}``; ``spread`` is the interquartile range over
+    the median, and ``reliable`` is False when any spread exceeds
+    :data:`parlearn.timing.SPREAD_LIMIT`.
     """
-    led = Ledger()
-    if not _active:
-        c10d = tdist.distributed_c10d
-        for kind in _PAYLOAD:
-            if hasattr(c10d, kind):
-                _originals[kind] = getattr(c10d, kind)
-                wrapped = _recording(kind, _originals[kind])
-                for mod in (tdist, c10d):
-                    if getattr(mod, kind, None) is _originals[kind]:
-                        setattr(mod, kind, wrapped)
-    _active.append(led)
-    try:
-        yield led
-    finally:
-        _active.remove(led)
-        if not _active:
-            for kind, original in _originals.items():
-                for mod in (tdist, tdist.distributed_c10d):
-                    if getattr(getattr(mod, kind, None), "__wrapped__", None) is original:
-                        setattr(mod, kind, original)
-            _originals.clear()
+    from . import collectives
+    from .timing import SPREAD_LIMIT, Timing
+
+    kinds = [check_choice("kinds", k, collectives.TIMED_KINDS) for k in kinds]
+    sizes = [check_int("sizes", n, lo=4) for n in sizes]
+    world_size = check_int("world_size", world_size, lo=2)
+    repeat, warmup = check_int("repeat", repeat, lo=1), check_int("warmup", warmup, lo=0)
+    backend = default_backend(world_size) if backend is None else backend
+    per_rank = run(collectives.time_collectives, world_size, backend=backend, timeout=timeout,
+                   args=(tuple(kinds), tuple(sizes), repeat, warmup))
+    out: dict = {"sizes": [n // 4 * 4 for n in sizes], "world_size": world_size,
+                 "device": _label(backend, world_size), "median_s": {}, "q1_s": {}, "q3_s": {},
+                 "spread": {}}
+    for kind in kinds:
+        for n in out["sizes"]:
+            slowest = [max(ts) for ts in zip(*(r[kind][n] for r in per_rank), strict=True)]
+            t = Timing(tuple(slowest), out["device"], threads=1)
+            q = sorted(slowest)
+            out["median_s"].setdefault(kind, []).append(t.median)
+            out["q1_s"].setdefault(kind, []).append(q[len(q) // 4])
+            out["q3_s"].setdefault(kind, []).append(q[(3 * len(q)) // 4])
+            out["spread"].setdefault(kind, []).append(t.spread)
+    out["reliable"] = all(s <= SPREAD_LIMIT for v in out["spread"].values() for s in v)
+    return out
+
+
+def _model_kind(kind: str) -> str:
+    return "all_reduce" if kind == "ring_all_reduce" else kind
+
+
+def measure_alpha_beta(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
+                       repeat: int = 5, *, kind: str = "all_reduce", backend: str | None = None,
+                       timeout: float = 30) -> AlphaBeta:
+    """This machine's alpha and beta: :func:`sweep_collective` of ``kind`` on real ranks,
+    then :func:`fit_alpha_beta` of the medians to the ring formula of ``kind``."""
+    sweep = sweep_collective((kind,), sizes, world_size, repeat=repeat, backend=backend,
+                             timeout=timeout)
+    return fit_alpha_beta(sweep["sizes"], sweep["median_s"][kind], kind=_model_kind(kind),
+                          world_size=world_size)
+
+
+def bench(device: torch.device, quick: bool) -> list:
+    """Rows for ``python -m parlearn.bench dist``, all on 2 real ranks (NCCL when ``device``
+    is CUDA and there are 2 GPUs, else gloo on the CPU): the ring all-reduce written from
+    send/recv against ``torch.distributed.all_reduce`` (4 MiB, interleaved), and measured
+    all-reduce time against the alpha-beta model fitted on a separate sweep, at 3 sizes
+    between the fitted ones (ratio measured/modeled)."""
+    from .bench import Row
+
+    backend = "nccl" if device.type == "cuda" and default_backend(2) == "nccl" else "gloo"
+    repeat = 3 if quick else 9
+    big = 1 << 20 if quick else 1 << 22
+    cmp = sweep_collective(("all_reduce", "ring_all_reduce"), [big], 2, repeat=repeat,
+                           backend=backend)
+    t_torch, t_ring = cmp["median_s"]["all_reduce"][0], cmp["median_s"]["ring_all_reduce"][0]
+    rows = [Row("dist", f"all_reduce {big >> 20} MiB", "ring from send/recv (parlearn)",
+                t_torch / t_ring, cmp["device"],
+                detail=f"torch {t_torch * 1e3:.2f} ms, ring {t_ring * 1e3:.2f} ms; "
+                       f"{'reliable' if cmp['reliable'] else 'UNRELIABLE (busy machine)'}")]
+    fit_sizes = DEFAULT_SIZES[::4] if quick else DEFAULT_SIZES[::2]
+    sw = sweep_collective(("all_reduce",), fit_sizes, 2, repeat=repeat, backend=backend)
+    model = fit_alpha_beta(sw["sizes"], sw["median_s"]["all_reduce"], kind="all_reduce",
+                           world_size=2)
+    check = [3 * 1024 // 4 * 4, 96 * 1024, 3 * 1024 * 1024]
+    at = sweep_collective(("all_reduce",), check, 2, repeat=repeat, backend=backend)
+    for n, t in zip(at["sizes"], at["median_s"]["all_reduce"], strict=True):
+        modeled = collective_time("all_reduce", n, 2, model)
+        rows.append(Row("dist", f"measured all_reduce {n / 1024:.0f} KiB",
+                        "alpha-beta model (fitted here)", t / modeled, at["device"],
+                        detail=f"ratio = measured/modeled; {model}; measured "
+                               f"{t * 1e6:.0f} us, modeled {modeled * 1e6:.0f} us"))
+    return rows
 
 
 # ---------------------------------------------------------------------------------------
