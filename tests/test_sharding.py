@@ -62,6 +62,31 @@ def test_adam_on_shards_equals_torch_adam_on_the_whole_tensor(any_device):
         assert torch.equal(p, ref.detach())
 
 
+def test_storage_bytes_counts_each_storage_once_and_freed_storage_as_zero():
+    flat = torch.zeros(10, dtype=torch.float64)
+    views = [flat[:4], flat[4:], flat]
+    assert S.storage_bytes(views + [None]) == 80
+    other = torch.zeros(3, dtype=torch.float32)
+    assert S.storage_bytes([*views, other]) == 92
+    flat.untyped_storage().resize_(0)
+    assert S.storage_bytes(views + [other]) == 12
+
+
+def test_draw_stages_titles_carry_the_modeled_bytes_per_parameter():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4)
+    S.draw_stages(axes, world_size=4)
+    titles = [ax.get_title() for ax in axes]
+    plt.close(fig)
+    assert [t.split(":")[1].split()[0] for t in titles] == ["16", "7", "5.5", "4"]
+    with pytest.raises(ValueError, match="axes"):
+        S.draw_stages(axes[:2], world_size=4)
+
+
 def test_memory_model_reproduces_the_zero_paper_figure_1():
     psi, n = 7_500_000_000, 64                  # 7.5B parameters, 64 GPUs, K = 12
     totals = [S.memory_model(psi, n, s, "bf16-mixed")["total"] / 1e9 for s in S.STAGES]
