@@ -194,9 +194,10 @@ class ShardedAdam:
 
     Gradients are averaged over ranks (SUM then /N), as DDP does: with equal local batch
     sizes and a mean loss, the update equals single-process Adam on the whole batch.
-    Stages 2-3 take exactly one backward per step (a second one raises ``RuntimeError``:
-    no gradient accumulation). In stage 3 the model's parameters are only materialised
-    inside its forward and backward; read them with :meth:`full_parameters`.
+    Stages 2-3 take exactly one backward per step, through every unit (a second backward,
+    or a step without one, raises ``RuntimeError``: no gradient accumulation). In stage 3
+    the model's parameters are only materialised inside its forward and backward; read them
+    with :meth:`full_parameters`.
     Units are the modules that own parameters directly, each one flat padded buffer.
     The model's initial parameters must be equal on every rank.
     """
@@ -313,6 +314,11 @@ class ShardedAdam:
         self.steps += 1
         adam = dict(lr=self.lr, betas=self.betas, eps=self.eps)
         for unit in self.units:
+            if self.stage >= 2 and not unit.reduced:
+                # Its shard still holds the last step's gradient: refuse to apply it again.
+                raise RuntimeError(f"stage {self.stage}: step() without a complete backward "
+                                   f"for unit {type(unit.module).__name__} (every unit must "
+                                   "take part in the loss)")
             unit.reduced = False
             if self.stage == 0:
                 tdist.all_reduce(unit.flat_grad, group=self.group)
@@ -504,13 +510,16 @@ def _worker_train(rank: int, world_size: int, spec: Spec, stage: int) -> dict:
     return out
 
 
-def _worker_two_backwards(rank: int, world_size: int, spec: Spec, stage: int) -> None:
+def _worker_misuse(rank: int, world_size: int, spec: Spec, stage: int,
+                   backwards: int) -> None:
+    """``backwards`` backward passes, then one step: what stages 2-3 must refuse unless 1."""
     model = spec.model()
     opt = ShardedAdam(model, stage=stage, lr=spec.lr)
     x, y = _local_batch(spec, rank, world_size, 0)
-    for _ in range(2):
+    for _ in range(backwards):
         opt.zero_grad()
         _loss(model, x, y).backward()
+    opt.step()
 
 
 def train_sharded(spec: Spec, stage: int, world_size: int = 2, *, timeout: float = 60) -> list:

@@ -183,12 +183,17 @@ def test_every_stage_equals_single_process_adam_step_by_step(stage, world_size):
                 assert kinds.count("reduce_scatter_single") == 2
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_a_second_backward_before_step_is_refused_in_stages_2_and_3(stage):
+@pytest.mark.parametrize("stage,backwards,error", [(2, 2, "second backward"),
+                                                   (3, 2, "second backward"),
+                                                   (3, 0, "without a complete backward")])
+def test_stages_2_and_3_refuse_anything_but_one_backward_per_step(stage, backwards, error):
     from parlearn import dist
 
-    with pytest.raises(dist.RankError, match="second backward"):
-        dist.run(S._worker_two_backwards, 2, args=(SPEC, stage), backend="gloo", timeout=30)
+    with pytest.raises(dist.RankError, match=error):
+        dist.run(S._worker_misuse, 2, args=(SPEC, stage, backwards), backend="gloo",
+                 timeout=30)
+    # One backward per step is fine (the exactness tests train that way).
+    dist.run(S._worker_misuse, 2, args=(SPEC, stage, 1), backend="gloo", timeout=30)
 
 
 def test_stages_1_and_2_send_exactly_what_plain_dp_sends():
