@@ -57,6 +57,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "decoding": ("parlearn.decoding",
                  "forward passes per sequence at >= 99% validity, and the decoder's own time"),
     "dist": ("parlearn.dist", "ring all-reduce from send/recv vs all_reduce; measured/modeled"),
+    "sharding": ("parlearn.sharding",
+                 "ZeRO 1-3 on 2 gloo ranks: bytes per rank measured vs modeled; step vs plain DP"),
 }
 
 
