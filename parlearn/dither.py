@@ -70,6 +70,7 @@ __all__ = [
     "grad_variance",
     "compare_regimes",
     "summarise",
+    "paired_difference",
     "throughput",
     "bench",
 ]
@@ -386,7 +387,7 @@ def smoothed_relu(x, scale: float, noise: str = "gaussian") -> np.ndarray:
         return x * cdf + s * np.exp(-0.5 * z**2) / math.sqrt(2 * math.pi)
     a = noise_half_width(noise, s)
     inside = np.abs(x) < a
-    out = np.maximum(x, 0.0)
+    out = np.array(np.maximum(x, 0.0), dtype=float)  # an array even for a scalar x
     xi = x[inside]
     if noise == "uniform":
         out[inside] = (xi + a) ** 2 / (4 * a)
@@ -408,7 +409,7 @@ def smoothed_relu_slope(x, scale: float, noise: str = "gaussian") -> np.ndarray:
     if noise == "gaussian":
         return 0.5 * (1 + np.vectorize(math.erf)(x / (s * math.sqrt(2))))
     a = noise_half_width(noise, s)
-    out = (x >= a).astype(float)
+    out = np.array(x >= a, dtype=float)
     inside = np.abs(x) < a
     xi = x[inside]
     if noise == "uniform":
@@ -692,6 +693,33 @@ def summarise(results: dict[str, list[History]]) -> dict[str, dict]:
     return out
 
 
+def paired_difference(results: dict[str, list[History]], a: str, b: str) -> dict:
+    """Final test accuracy of regime ``a`` minus that of ``b``, paired by seed.
+
+    Returns ``{"mean", "se", "n", "low", "high", "verdict"}``: the mean difference, its
+    standard error, the 95% Student-t interval and ``"better"``/``"worse"`` when that
+    interval excludes 0, else ``"not distinguishable"`` (always so with one seed).
+    """
+    for name in (a, b):
+        if name not in results:
+            raise ValueError(f"{name!r} is not one of the regimes {list(results)}")
+    if len(results[a]) != len(results[b]):
+        raise ValueError(f"{a!r} and {b!r} were run with different numbers of seeds")
+    d = [ha.test_acc[-1] - hb.test_acc[-1] for ha, hb in zip(results[a], results[b],
+                                                            strict=True)]
+    n, mean = len(d), statistics.fmean(d)
+    if n < 2:
+        return {"mean": mean, "se": math.nan, "n": n, "low": -math.inf, "high": math.inf,
+                "verdict": "not distinguishable"}
+    from scipy.stats import t as student_t
+
+    se = statistics.stdev(d) / math.sqrt(n)
+    half = float(student_t.ppf(0.975, n - 1)) * se
+    low, high = mean - half, mean + half
+    verdict = "better" if low > 0 else "worse" if high < 0 else "not distinguishable"
+    return {"mean": mean, "se": se, "n": n, "low": low, "high": high, "verdict": verdict}
+
+
 def throughput(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, *,
                copies_list: Sequence[int], dither: str | None = "gaussian", scale: float = 0.1,
                dropout: float | None = None, repeat: int = 5, device="cpu",
@@ -701,8 +729,8 @@ def throughput(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
     Both candidates use the same noise. ``threads`` pins torch's intra-op thread count
     for the measurement (see :data:`parlearn.device.THREAD_POLICY`) and restores it; the
     model's ``.grad`` are left as the caller had them. Returns the
-    :func:`parlearn.timing.sweep` result with ``copies``, ``loop_s``, ``batched_s`` and
-    ``speedup`` (loop / batched) added for convenience.
+    :func:`parlearn.timing.sweep` result (``r["speedup"]["batched"]`` is loop / batched,
+    with its spread) with ``copies``, ``loop_s`` and ``batched_s`` (median seconds) added.
     """
     _check_model(model)
     check_callable("loss_fn", loss_fn)
@@ -727,7 +755,7 @@ def throughput(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
     with _own_grads(model):
         r = sweep(ps, candidates, repeat=repeat, device=device, threads=threads)
     r.update(copies=r["values"], loop_s=r["median_s"]["loop"],
-             batched_s=r["median_s"]["batched"], speedup=r["speedup"]["batched"])
+             batched_s=r["median_s"]["batched"])
     return r
 
 

@@ -283,7 +283,7 @@ def test_throughput_keeps_grads_and_thread_count():
     try:
         r = dither.throughput(model, F, x, y, copies_list=[1, 2], repeat=1, threads=3)
         assert torch.get_num_threads() == want
-        assert r["threads"] == 3 and r["copies"] == [1, 2] and len(r["speedup"]) == 2
+        assert r["threads"] == 3 and r["copies"] == [1, 2] and len(r["speedup"]["batched"]) == 2
     finally:
         torch.set_num_threads(before)
     _assert_grads_kept(model, saved)
@@ -318,6 +318,11 @@ def test_smoothed_relu_and_slope_match_monte_carlo(kind):
         assert abs(samples.mean() - ev) <= 4 * se + 1e-12, (kind, xv)
         frac = (xv + noise > 0).mean()
         assert abs(frac - sv) <= 4 * math.sqrt(max(sv * (1 - sv), 1e-12) / n) + 1e-12
+    for xv in (-1.0, 0.0, 0.3):  # scalars give 0-d arrays equal to the array results
+        assert dither.smoothed_relu(xv, 0.5, kind) == pytest.approx(
+            dither.smoothed_relu([xv], 0.5, kind)[0], rel=1e-14)
+        assert dither.smoothed_relu_slope(xv, 0.5, kind) == pytest.approx(
+            dither.smoothed_relu_slope([xv], 0.5, kind)[0], rel=1e-14)
     h = 1e-6
     numeric = (dither.smoothed_relu(xs + h, 0.5, kind) - dither.smoothed_relu(xs - h, 0.5, kind))
     np.testing.assert_allclose(numeric / (2 * h), slope, atol=1e-6)
@@ -441,6 +446,22 @@ def test_compare_regimes_has_the_controls_and_every_seed():
     accs = [h.test_acc[-1] for h in r["single-example SGD + dropout"]]
     assert s["mean"] == pytest.approx(np.mean(accs)) and s["n"] == 2
     assert s["std"] == pytest.approx(np.std(accs, ddof=1))
+
+
+def test_paired_difference_verdicts():
+    def hist(accs):
+        return [dither.History("x", test_acc=[a]) for a in accs]
+
+    r = {"a": hist([0.90, 0.91, 0.92]), "b": hist([0.80, 0.815, 0.81]),
+         "c": hist([0.95, 0.85, 0.93])}
+    d = dither.paired_difference(r, "a", "b")
+    assert d["mean"] == pytest.approx(0.305 / 3) and d["verdict"] == "better" and d["low"] > 0
+    assert dither.paired_difference(r, "b", "a")["verdict"] == "worse"
+    assert dither.paired_difference(r, "a", "c")["verdict"] == "not distinguishable"
+    one = {"a": hist([0.9]), "b": hist([0.1])}
+    assert dither.paired_difference(one, "a", "b")["verdict"] == "not distinguishable"
+    with pytest.raises(ValueError, match="regimes"):
+        dither.paired_difference(r, "a", "z")
 
 
 # --- bad input: refused before any work, with the argument named ------------------------
