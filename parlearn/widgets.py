@@ -190,7 +190,7 @@ class Dashboard:
 
     def _render(self) -> None:
         import matplotlib.pyplot as plt
-        from IPython.display import clear_output, display
+        from IPython import get_ipython
 
         fig, axes = plt.subplots(1, self.ncols, figsize=self.figsize, squeeze=True)
         self.plot_fn(self.result, axes)
@@ -199,10 +199,15 @@ class Dashboard:
         fig.tight_layout()
         self.figure = fig
         plt.close(fig)
-        if self._displayed:
-            with self.out:
-                clear_output(wait=True)
-                display(fig)
+        shell = get_ipython()
+        if self._displayed and shell is not None:
+            # Set the Output widget's outputs directly instead of `with self.out: display()`:
+            # capturing a display into an Output widget while the cell that shows it runs
+            # races with a headless client's wait for the cell's reply (nbclient issue 312):
+            # lesson 30 sat idle for the whole cell timeout in 3 of 5 nbconvert runs.
+            data, metadata = shell.display_formatter.format(fig)
+            self.out.outputs = ({"output_type": "display_data", "data": data,
+                                 "metadata": metadata},)
 
     def widget(self) -> W.Widget:
         """The whole dashboard as one ipywidgets box."""
