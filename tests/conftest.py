@@ -11,6 +11,9 @@ import torch
 # unless told otherwise; tests/test_settings.py checks that kernels really inherit it.
 os.environ.setdefault("PARLEARN_FAST", "1")
 
+# Deterministic cuBLAS needs a fixed workspace, set before CUDA starts (else matmuls raise
+# under use_deterministic_algorithms on a GPU).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 torch.use_deterministic_algorithms(True, warn_only=False)
 
 # Devices every exactness test runs on: CUDA is added only where it exists (as minitorch
