@@ -804,7 +804,9 @@ def cost_model(N: int, cfactor: int, levels: int, iters: int, *, relax: str = "F
     at level l+1 on ``n/m`` steps; then an F-relaxation. The coarsest level is solved
     serially (``n`` calls of one step); ``levels=1`` is that serial solve on N steps.
     ``record=True`` adds the full residual (one call of N) before the first and after
-    every iteration. With ``devices=1``, depth equals work.
+    every iteration, as :func:`mgrit` evaluates it with ``record=True`` or a ``tol``
+    (``iters`` is then the number of iterations the run took). With ``devices=1``,
+    depth equals work.
 
     ``bwd_iters`` adds a backward pass: the adjoint solve (the same cycles, ``bwd_iters``
     iterations) plus one parameter-gradient call of N steps, against a serial backward
