@@ -574,3 +574,15 @@ def test_bad_train_digits_arguments_do_no_work():
                            ({"relax": "C"}, ValueError, "relax")):
         with pytest.raises(exc, match=match):
             mg.train_digits(True, data, progress=False, **kw)
+
+
+def test_bench_row_flags_a_speedup_above_the_modeled_limit():
+    from parlearn.timing import Comparison, Timing
+
+    def cmp(serial_s, mgrit_s):
+        return Comparison({"serial": Timing((serial_s,) * 3, "cpu", 1),
+                           "mgrit": Timing((mgrit_s,) * 3, "cpu", 1)}, "serial", "cpu")
+    above = mg._ratio_row("b", "serial", "mgrit", cmp(3.0, 1.0), 2.0, "cpu", "x")
+    below = mg._ratio_row("b", "serial", "mgrit", cmp(1.0, 1.0), 2.0, "cpu", "x")
+    assert above.ratio == 3.0 and "ABOVE THE MODELED LIMIT" in above.detail
+    assert "ABOVE" not in below.detail and "modeled limit 2.0x" in below.detail
