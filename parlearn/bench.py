@@ -55,6 +55,7 @@ BENCHES: dict[str, tuple[str, str]] = {
                "P=64 noisy copies: one batched forward/backward vs a loop over copies"),
     "decoding": ("parlearn.decoding",
                  "forward passes per sequence at >= 99% validity, and the decoder's own time"),
+    "dist": ("parlearn.dist", "ring all-reduce from send/recv vs all_reduce; measured/modeled"),
 }
 
 

@@ -1,0 +1,164 @@
+"""The collectives ledger: what each collective a rank issued sent, and how long it took.
+
+    with dist.ledger() as led:          # inside a worker, on each rank
+        torch.distributed.all_reduce(t)
+    led.bytes("all_reduce"), led.count(), led.records
+
+Re-exported by :mod:`parlearn.dist`; see :func:`ledger` for what is counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+__all__ = ["Record", "Ledger", "ledger"]
+
+
+@dataclass(frozen=True)
+class Record:
+    """One collective call on this rank: ``bytes`` is its payload as passed (see
+    :func:`ledger`), ``seconds`` its wall time (issue time only for async calls),
+    ``ranks`` the size of the group it ran on."""
+
+    kind: str
+    bytes: int
+    seconds: float
+    ranks: int
+
+
+class Ledger:
+    """The records of one ``with ledger():`` block (on one rank)."""
+
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+
+    def record(self, kind: str, nbytes: int, seconds: float, ranks: int) -> None:
+        """Add a record by hand, e.g. from a DDP communication hook that torch calls from C++."""
+        self.records.append(Record(kind, int(nbytes), float(seconds), int(ranks)))
+
+    def _of(self, kind: str | None) -> list[Record]:
+        return [r for r in self.records if kind is None or r.kind == kind]
+
+    def bytes(self, kind: str | None = None) -> int:
+        """Total payload bytes of the records (of one ``kind`` when given)."""
+        return sum(r.bytes for r in self._of(kind))
+
+    def count(self, kind: str | None = None) -> int:
+        """Number of records (of one ``kind`` when given)."""
+        return len(self._of(kind))
+
+    def seconds(self, kind: str | None = None) -> float:
+        """Total wall time of the records (of one ``kind`` when given)."""
+        return sum(r.seconds for r in self._of(kind))
+
+    def summary(self) -> dict[str, tuple[int, int, float]]:
+        """``{kind: (count, bytes, seconds)}`` in order of first appearance."""
+        return {k: (self.count(k), self.bytes(k), self.seconds(k))
+                for k in dict.fromkeys(r.kind for r in self.records)}
+
+
+def _nbytes(t: Any) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return 0
+
+
+# kind -> which positional argument is the payload (see ledger's docstring for the rule).
+_PAYLOAD = {
+    "all_reduce": 0, "broadcast": 0, "reduce": 0, "send": 0, "recv": 0, "isend": 0,
+    "irecv": 0, "gather": 0, "scatter": 0, "all_gather": 0, "all_gather_into_tensor": 0,
+    "all_gather_single": 0, "reduce_scatter": 1, "reduce_scatter_tensor": 1,
+    "reduce_scatter_single": 1, "all_to_all": 1, "all_to_all_single": 1,
+    "all_reduce_coalesced": 0, "barrier": None, "batch_isend_irecv": 0,
+}
+_KEYWORD = {"all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor",
+            "send": "tensor", "recv": "tensor", "isend": "tensor", "irecv": "tensor",
+            "gather": "tensor", "scatter": "tensor", "all_gather": "tensor_list",
+            "all_gather_into_tensor": "output_tensor", "all_gather_single": "output",
+            "reduce_scatter": "input_list", "reduce_scatter_tensor": "input",
+            "reduce_scatter_single": "input", "all_to_all": "input_tensor_list",
+            "all_to_all_single": "input", "all_reduce_coalesced": "tensors",
+            "batch_isend_irecv": "p2p_op_list"}
+
+_active: list[Ledger] = []
+_originals: dict[str, Callable] = {}
+_inside = threading.local()
+
+
+def _payload(kind: str, args: tuple, kwargs: dict) -> int:
+    pos = _PAYLOAD[kind]
+    if pos is None:
+        return 0
+    value = args[pos] if len(args) > pos else kwargs.get(_KEYWORD[kind])
+    if kind == "batch_isend_irecv":
+        return sum(_nbytes(op.tensor) for op in value)
+    return _nbytes(value)
+
+
+def _recording(kind: str, original: Callable) -> Callable:
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        if getattr(_inside, "depth", 0):  # a collective called by another is not counted twice
+            return original(*args, **kwargs)
+        nbytes = _payload(kind, args, kwargs)
+        group = kwargs.get("group")
+        _inside.depth = 1
+        t0 = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            seconds = time.perf_counter() - t0
+            _inside.depth = 0
+            ranks = tdist.get_world_size(group) if tdist.is_initialized() else 1
+            for led in _active:
+                led.record(kind, nbytes, seconds, ranks)
+    return wrapper
+
+
+@contextlib.contextmanager
+def ledger() -> Iterator[Ledger]:
+    """Record every collective this process issues through ``torch.distributed``'s Python
+    API inside the block (module attributes are wrapped on entry and restored on exit;
+    nested ledgers each see every call).
+
+    ``bytes`` is the payload as passed: the tensor for all_reduce, broadcast, reduce,
+    send/recv/isend/irecv; the OUTPUT for all_gather(_into_tensor, _single) (the whole
+    gathered tensor); the INPUT for reduce_scatter(_tensor, _single) and all_to_all(_single);
+    what this rank contributes for gather and receives for scatter; 0 for barrier. Wire
+    traffic under a given algorithm is :func:`ring_bytes`. Calls ``torch`` makes from C++
+    (DDP's gradient buckets) and functional collectives (DTensor) are not seen: count
+    those with ``torch.distributed.tensor.debug.CommDebugMode`` or :meth:`Ledger.record`.
+    Async calls (``async_op=True``, isend, irecv) are timed at issue only.
+    """
+    led = Ledger()
+    if not _active:
+        c10d = tdist.distributed_c10d
+        for kind in _PAYLOAD:
+            if hasattr(c10d, kind):
+                _originals[kind] = getattr(c10d, kind)
+                wrapped = _recording(kind, _originals[kind])
+                for mod in (tdist, c10d):
+                    if getattr(mod, kind, None) is _originals[kind]:
+                        setattr(mod, kind, wrapped)
+    _active.append(led)
+    try:
+        yield led
+    finally:
+        _active.remove(led)
+        if not _active:
+            for kind, original in _originals.items():
+                for mod in (tdist, tdist.distributed_c10d):
+                    if getattr(getattr(mod, kind, None), "__wrapped__", None) is original:
+                        setattr(mod, kind, original)
+            _originals.clear()
