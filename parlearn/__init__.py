@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 __all__ = ["device", "settings", "timing", "viz", "__version__"]
 
 _LAZY = {"basics", "bench", "datasets", "widgets", "leapfrog", "multigrid", "dither",
-         "diffusion", "decoding", "dist", "dist_model", "collectives"}
+         "diffusion", "decoding", "dist", "dist_model", "collectives", "pipeline"}
 
 
 def __getattr__(name: str):
