@@ -56,6 +56,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "decoding": ("parlearn.decoding",
                  "forward passes per sequence at >= 99% validity, and the decoder's own time"),
     "dist": ("parlearn.dist", "ring all-reduce from send/recv vs all_reduce; measured/modeled"),
+    "pipeline": ("parlearn.pipeline",
+                 "1F1B bubble measured vs (P-1)/(M+P-1); balanced vs equal split"),
 }
 
 

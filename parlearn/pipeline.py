@@ -28,7 +28,7 @@ Beside them: the same model through ``torch.distributed.pipelining``
 (:func:`run_torch_pipeline`), balanced partitioning by measured layer cost in the spirit
 of LAMP (:func:`partition_balanced`), Hydra-style shard parallelism (several models
 interleaved through one pipeline, :func:`hydra_train`), and a reconstruction of AMDP
-(planned).
+(:func:`simulate_bidirectional`, modeled only).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ __all__ = ["SCHEDULES", "Op", "schedule", "bubble_formula", "Simulation", "simul
            "make_model", "make_data", "split_layers", "reference_grads", "PipelineRun",
            "run_pipeline", "measured_bubble", "TORCH_SCHEDULES", "run_torch_pipeline",
            "partition_equal", "partition_balanced", "stage_costs", "layer_costs",
-           "hydra_schedule", "hydra_train", "hydra_reference"]
+           "hydra_schedule", "hydra_train", "hydra_reference", "simulate_bidirectional",
+           "bench"]
 
 SCHEDULES = ("gpipe", "1f1b", "zb")
 
@@ -766,3 +767,114 @@ def hydra_reference(models: Sequence[nn.Sequential],
                     p -= lr * g
         trained.append(new)
     return trained
+
+
+# ---------------------------------------------------------------------------------------
+# AMDP, reconstructed: pipelines running in opposite directions over the same devices.
+
+def simulate_bidirectional(stages: int, micro_batches: int, cost_f: float = 1.0,
+                           cost_b: float = 2.0) -> Simulation:
+    """RECONSTRUCTION (modeled). Of "Asynchronous Multi-Directional Pipeline Parallelism for
+    Large-Scale Models Training" (2026) only the title could be read; this is our own
+    reading of it, in the spirit of bidirectional schedules such as Chimera (Li & Hoefler
+    2021), not the paper's algorithm. Two replicas of the model run as two pipelines over the
+    same ``P`` devices, one mapping stage ``s`` to device ``s`` ("down"), the other to device
+    ``P-1-s`` ("up"); each takes ``micro_batches / 2`` micro-batches in 1F1B order. Each
+    device runs, among the next ops of its two stages, the one that can start first (ties:
+    backward first): list scheduling with no global step. Equal stage costs; the gradient
+    all-reduce between the replicas and their doubled weight memory are NOT modeled.
+    Compare its ``bubble`` with ``simulate(schedule("1f1b", P, M))``."""
+    stages = check_int("stages", stages, lo=2)
+    micro_batches = check_int("micro_batches", micro_batches, lo=2)
+    if micro_batches % 2:
+        raise ValueError(f"micro_batches must be even (half per direction), got {micro_batches}")
+    cf, cb = check_float("cost_f", cost_f, lo=0), check_float("cost_b", cost_b, lo=0)
+    half = micro_batches // 2
+    one = schedule("1f1b", stages, half)
+    dirs = ("down", "up")
+    device = {("down", s): s for s in range(stages)} | {("up", s): stages - 1 - s
+                                                      for s in range(stages)}
+    pos = {key: 0 for key in device}
+    done: dict[tuple[str, str, int, int], float] = {}
+    free = [0.0] * stages
+    events = []
+    while any(pos[key] < len(one[key[1]]) for key in device):
+        best = None
+        for (d, s), dev in device.items():
+            if pos[(d, s)] == len(one[s]):
+                continue
+            op = one[s][pos[(d, s)]]
+            if op.kind == "F":
+                dep = (d, "F", s - 1, op.mb) if s > 0 else None
+            else:
+                dep = (d, "B", s + 1, op.mb) if s < stages - 1 else (d, "F", s, op.mb)
+            if dep is not None and dep not in done:
+                continue
+            start = max(free[dev], 0.0 if dep is None else done[dep])
+            rank = (start, op.kind != "B", dirs.index(d))
+            if best is None or rank < best[0]:
+                best = (rank, d, s, dev, op)
+        if best is None:
+            raise AssertionError("bidirectional schedule deadlocked")  # cannot happen
+        (start, _, _), d, s, dev, op = best
+        end = start + (cf if op.kind == "F" else cb)
+        done[(d, op.kind, s, op.mb)] = end
+        free[dev] = end
+        pos[(d, s)] += 1
+        events.append((f"device {dev}", f"{op.kind}{d} {op.mb}", start, end))
+    makespan = max(free)
+    busy = [sum(e[3] - e[2] for e in events if e[0] == f"device {v}") for v in range(stages)]
+    peak = []
+    for v in range(stages):
+        held = sorted([(e[2], 1) for e in events if e[0] == f"device {v}" and e[1][0] == "F"]
+                      + [(e[3], -1) for e in events if e[0] == f"device {v}" and e[1][0] == "B"])
+        level, top = 0, 0
+        for _, delta in held:
+            level += delta
+            top = max(top, level)
+        peak.append(top)
+    return Simulation(events, makespan, 1.0 - sum(busy) / (stages * makespan), busy, peak)
+
+
+# ---------------------------------------------------------------------------------------
+# Bench: measured bubble vs formula; balanced vs naive partition.
+
+def _makespan(run: PipelineRun) -> float:
+    return max(e[3] for e in run.events) - min(e[2] for e in run.events)
+
+
+def bench(device: torch.device, quick: bool) -> list:
+    """Rows for ``python -m parlearn.bench pipeline``, on 2 real gloo ranks on the CPU
+    (``device`` is not used: the stages are CPU processes): (1) the measured bubble of 1F1B
+    with equal stages against ``(P-1)/(M+P-1)`` (ratio measured/modeled; communication and
+    a busy machine push it above 1); (2) the step time (first op start to last op end, median
+    of repeats in one launch) of a skewed model cut into equal layer counts vs cut by
+    :func:`partition_balanced` of :func:`layer_costs` (ratio naive/balanced)."""
+    from statistics import median
+
+    from .bench import Row
+
+    del device
+    repeat, m, rows = (3 if quick else 7), 4, []
+    where = f"2 gloo ranks on CPU ({__import__('os').cpu_count()} cores)"
+    model = make_model([256] * 5, seed=0)
+    x, y = make_data(model, 512 if quick else 2048, seed=1)
+    runs = run_pipeline("1f1b", model, x, y, 2, [m] * (repeat + 1))[1:]   # first: warm-up
+    measured = median(r.bubble for r in runs)
+    rows.append(Row("pipeline", f"bubble formula (P-1)/(M+P-1), P=2 M={m}",
+                    "1F1B measured bubble", measured / bubble_formula(2, m), where,
+                    detail=f"ratio = measured/modeled; measured {measured:.3f}, "
+                           f"formula {bubble_formula(2, m):.3f}"))
+    skewed = make_model([128, 128, 128, 128, 128, 1024, 128], seed=0)
+    xs, ys = make_data(skewed, 512 if quick else 2048, seed=1)
+    balanced = partition_balanced(layer_costs(skewed, xs, repeat=repeat), 2)
+    naive = partition_equal(len(skewed), 2)
+    spans = {}
+    for name, counts in (("naive", naive), ("balanced", balanced)):
+        got = run_pipeline("1f1b", skewed, xs, ys, 2, [m] * (repeat + 1), counts=counts)[1:]
+        spans[name] = median(_makespan(r) for r in got)
+    rows.append(Row("pipeline", f"equal layer counts {naive}",
+                    f"balanced by measured cost {balanced}", spans["naive"] / spans["balanced"],
+                    where, detail=f"1F1B step, M={m}: naive {spans['naive'] * 1e3:.1f} ms, "
+                                  f"balanced {spans['balanced'] * 1e3:.1f} ms"))
+    return rows

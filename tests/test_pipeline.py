@@ -212,3 +212,16 @@ def test_hydra_schedule_interleaves_models():
     assert len([op for op in orders[0] if op.kind == "F"]) == 6
     one = pl.simulate(pl.schedule("1f1b", 3, 4)).bubble
     assert pl.simulate(pl.hydra_schedule("1f1b", 3, 4, 3)).bubble < one
+
+
+# --- AMDP reconstruction (modeled) ----------------------------------------------------------
+
+def test_bidirectional_does_all_the_work_and_shrinks_the_bubble():
+    for stages, m in itertools.product(range(2, 6), range(2, 13, 2)):
+        sim = pl.simulate_bidirectional(stages, m)
+        assert sim.busy == [pytest.approx(3.0 * m)] * stages      # each device: M (F + B)
+        assert len(sim.events) == 2 * m * stages
+        assert sim.bubble <= pl.simulate(pl.schedule("1f1b", stages, m)).bubble + 1e-12
+    assert pl.simulate_bidirectional(4, 4).bubble < pl.bubble_formula(4, 4) - 0.05
+    with pytest.raises(ValueError, match="even"):
+        pl.simulate_bidirectional(2, 3)
