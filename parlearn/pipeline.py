@@ -47,7 +47,8 @@ from .checks import check_bool, check_choice, check_float, check_int, check_modu
 
 __all__ = ["SCHEDULES", "Op", "schedule", "bubble_formula", "Simulation", "simulate",
            "make_model", "make_data", "split_layers", "reference_grads", "PipelineRun",
-           "run_pipeline", "measured_bubble", "TORCH_SCHEDULES", "run_torch_pipeline",
+           "run_pipeline", "measured_bubble", "stage_op_costs", "TORCH_SCHEDULES",
+           "run_torch_pipeline",
            "partition_equal", "partition_balanced", "stage_costs", "layer_costs",
            "hydra_schedule", "hydra_train", "hydra_reference", "simulate_bidirectional",
            "bench"]
@@ -498,6 +499,19 @@ def _preimport() -> None:
     # on first use: seconds. Import it once here so forked ranks inherit it.
     import torch.fx.experimental.symbolic_shapes  # noqa: F401
     import torch.nested._internal.nested_tensor  # noqa: F401
+
+
+def stage_op_costs(run: PipelineRun) -> dict[str, list[float]]:
+    """Median measured seconds of each op kind (``"F"``, ``"B"``, ``"W"`` when present) on
+    each stage of ``run``: the per-stage costs to feed :func:`simulate`."""
+    out: dict[str, list[float]] = {}
+    for kind in "FBW":
+        per = [sorted(e[3] - e[2] for e in run.events
+                      if e[0] == f"rank {s}" and e[1].split()[0] == kind)
+               for s in range(run.stages)]
+        if all(per):
+            out[kind] = [d[len(d) // 2] for d in per]
+    return out
 
 
 def _check_pipeline_args(model, x, y, stages, counts):

@@ -115,6 +115,9 @@ def test_from_scratch_equals_single_process(problem, kind, stages):
         assert run.ops == [[str(op) for op in ops] for ops in pl.schedule(kind, stages, m)]
         assert {e[0] for e in run.events} == {f"rank {s}" for s in range(stages)}
         assert 0.0 <= run.bubble < 1.0
+        costs = pl.stage_op_costs(run)
+        assert sorted(costs) == (["B", "F", "W"] if kind == "zb" else ["B", "F"])
+        assert all(len(c) == stages and min(c) > 0 for c in costs.values())
 
 
 def test_uneven_micro_batches_and_counts(problem):
