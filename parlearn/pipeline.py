@@ -621,7 +621,8 @@ def partition_balanced(costs: Sequence[float], stages: int) -> list[int]:
 
 def layer_costs(model: nn.Sequential, x: torch.Tensor, *, repeat: int = 5) -> list[float]:
     """Measured seconds of each layer's forward + backward on the activations ``x`` would
-    give it (median of ``repeat`` timed runs after one warm-up; threads as the caller's)."""
+    give it (median of ``repeat`` timed runs after one warm-up), with one intra-op thread:
+    what each rank of :func:`run_pipeline` runs with (the caller's count is restored)."""
     from .timing import measure
 
     check_module("model", model)
@@ -636,7 +637,7 @@ def layer_costs(model: nn.Sequential, x: torch.Tensor, *, repeat: int = 5) -> li
             out = layer(inp)
             torch.autograd.grad(out.sum(), [inp, *layer.parameters()])
 
-        costs.append(measure(step, warmup=1, repeat=repeat).median)
+        costs.append(measure(step, warmup=1, repeat=repeat, threads=1).median)
         with torch.no_grad():
             h = layer(h)
     return costs
