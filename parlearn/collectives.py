@@ -30,9 +30,9 @@ import torch.distributed as tdist
 
 from .checks import check_choice, check_int, check_tensor
 
-__all__ = ["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "rank_tensor",
-           "ring_vs_torch", "ring_check", "collectives_demo", "time_collectives",
-           "TIMED_KINDS"]
+__all__ = ["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "hello", "rank_tensor",
+           "ring_vs_torch", "ring_check", "ring_trace", "ring_ledger", "collectives_demo",
+           "plot_collectives", "time_collectives", "TIMED_KINDS", "REDUCING"]
 
 
 def _exchange(send: torch.Tensor, to: int, recv: torch.Tensor, frm: int) -> None:
@@ -111,6 +111,11 @@ def ring_all_gather(tensor: torch.Tensor, *, log: list | None = None) -> torch.T
 # ---------------------------------------------------------------------------------------
 # Workers: called as fn(rank, world_size, *args) by parlearn.dist.run or torchrun.
 
+def hello(rank: int, world_size: int) -> tuple[int, int, str]:
+    """Worker: ``(rank, world_size, backend)`` as the process group sees them."""
+    return tdist.get_rank(), tdist.get_world_size(), tdist.get_backend()
+
+
 def rank_tensor(rank: int, numel: int, seed: int = 0,
                 dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """The test input of ``rank``: standard normals from its own generator, so the caller
@@ -154,11 +159,33 @@ def ring_check(rank: int, world_size: int, numel: int = 1000) -> dict:
             "ring_bytes_sent": led.bytes("isend"), "all_reduce_payload": led.bytes("all_reduce")}
 
 
+def ring_trace(rank: int, world_size: int, numel: int) -> list[tuple]:
+    """Worker: the step log of :func:`ring_all_reduce` of ``numel`` values on this rank."""
+    log: list = []
+    ring_all_reduce(torch.zeros(check_int("numel", numel, lo=1)), log=log)
+    return log
+
+
+def ring_ledger(rank: int, world_size: int, numel: int) -> dict[str, int]:
+    """Worker: bytes this rank sends and receives in :func:`ring_all_reduce` of ``numel``
+    float32 values, as the ledger counts them, beside the payload ``all_reduce`` would see."""
+    from .dist import ledger
+
+    x = torch.ones(check_int("numel", numel, lo=1))
+    with ledger() as led:
+        ring_all_reduce(x)
+    return {"sent": led.bytes("isend"), "received": led.bytes("recv"),
+            "payload": x.numel() * x.element_size()}
+
+
 def collectives_demo(rank: int, world_size: int, per_rank: int = 2) -> dict:
     """Worker: each collective applied to small integer tensors whose entries say where
     they started (rank ``r`` holds ``10 r + 1, 10 r + 2, ...``). Returns
     ``{collective: (before, after)}`` of this rank, CPU int64 tensors."""
     n, k = world_size, check_int("per_rank", per_rank, lo=1)
+    if n * k > 9:
+        raise ValueError(f"per_rank * world_size must be <= 9 so a value's tens digit names "
+                         f"its rank, got {k} * {n}")
 
     def mine() -> torch.Tensor:
         return torch.arange(1, n * k + 1, dtype=torch.int64) + 10 * rank
@@ -192,6 +219,39 @@ def collectives_demo(rank: int, world_size: int, per_rank: int = 2) -> dict:
     tdist.all_to_all_single(y, x)
     out["all_to_all"] = (x, y)
     return out
+
+
+# Collectives whose outputs are sums (drawn in one colour) rather than moved data.
+REDUCING = ("reduce", "all_reduce", "reduce_scatter")
+
+
+def plot_collectives(demo: list[dict], axes, kinds: tuple[str, ...] | None = None) -> None:
+    """Draw :func:`collectives_demo`'s results: for each collective (a row of ``axes``) the
+    data on every rank before (left) and after (right). A cell's colour is the rank its
+    value came from; sums are grey; blank cells hold nothing."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    kinds = tuple(demo[0]) if kinds is None else kinds
+    n = len(demo)
+    colours = plt.get_cmap("tab10")
+    width = max(max(t.numel() for t in demo[r][k]) for r in range(n) for k in kinds)
+    for row, kind in enumerate(kinds):
+        for col, when in enumerate(("before", "after")):
+            ax = axes[row][col]
+            img = np.ones((n, width, 3))
+            for r in range(n):
+                values = demo[r][kind][col]
+                for j, v in enumerate(values.tolist()):
+                    summed = when == "after" and kind in REDUCING
+                    if summed and kind == "reduce" and r != 0:
+                        continue  # only the destination holds the result
+                    img[r, j] = (0.75,) * 3 if summed else colours((v - 1) // 10)[:3]
+                    ax.text(j, r, str(v), ha="center", va="center", fontsize=7)
+            ax.imshow(img, aspect="auto")
+            ax.set_yticks(range(n), [f"rank {r}" for r in range(n)], fontsize=7)
+            ax.set_xticks([])
+            ax.set_title(f"{kind}: {when}", fontsize=8)
 
 
 TIMED_KINDS = ("all_reduce", "ring_all_reduce", "send")

@@ -1,7 +1,7 @@
 """Run k ranks of a real ``torch.distributed`` group from a notebook; record what they send.
 
-    from parlearn import dist
-    sums = dist.run(parlearn.collectives.all_reduce_rank_ids, world_size=2)
+    from parlearn import collectives, dist
+    dist.run(collectives.hello, world_size=2)      # [(0, 2, 'gloo'), (1, 2, 'gloo')]
 
 :func:`run` starts ``world_size`` processes, joins them into one process group (gloo on
 CPU; NCCL with one GPU per rank when ``torch.cuda.device_count() >= world_size``), calls
@@ -48,6 +48,7 @@ import pickle
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -141,18 +142,27 @@ def _root_cause(failures: dict[int, str]) -> int:
 
 
 def _child(fn: Callable, rank: int, world_size: int, args: tuple, backend: str,
-           timeout: float, port: int, prefix: str, conn) -> None:
+           timeout: float, port_conn, prefix: str, conn) -> None:
     # One intra-op thread first: a forked child that touches the parent's OpenMP pool hangs.
     torch.set_num_threads(1)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        port = port_conn.recv()
+        port_conn.close()
         store = tdist.TCPStore(_HOST, port, world_size + 1, is_master=False,
                                timeout=datetime.timedelta(seconds=timeout))
+        # Binding NCCL to the rank's GPU up front lets barrier() know its device.
         tdist.init_process_group(backend, store=tdist.PrefixStore(prefix, store), rank=rank,
                                  world_size=world_size,
-                                 timeout=datetime.timedelta(seconds=timeout))
+                                 timeout=datetime.timedelta(seconds=timeout),
+                                 device_id=torch.device("cuda", rank) if backend == "nccl"
+                                 else None)
         payload = ("ok", fn(rank, world_size, *args))
+        if tdist.is_initialized():
+            # No rank leaves before all are done with the group: a rank that exits while a
+            # peer is still connecting to it (gloo builds its mesh lazily) fails that peer.
+            tdist.barrier()
         try:
             data = pickle.dumps(payload)
         except Exception:
@@ -235,6 +245,9 @@ def run(fn: Callable, world_size: int = 2, *, args: Sequence = (), backend: str 
     ``args``). Return values must be picklable (return tensors detached, on the CPU).
     ``deadline`` (seconds, optional) bounds the whole run, for ranks that hang outside any
     collective. ``pids``, when given a list, receives the children's process ids.
+    ``run`` does not reseed anything: forked ranks start with a copy of the caller's RNG
+    state (the same on every rank), so a worker that wants different draws per rank seeds
+    its own ``torch.Generator`` from its rank.
 
     Raises :class:`RankError` when any rank raises, exits without returning, or is still
     running at ``deadline``; the other ranks are then stopped.
@@ -269,29 +282,44 @@ def run(fn: Callable, world_size: int = 2, *, args: Sequence = (), backend: str 
                          "children's CUDA; use start='spawn'")
 
     ctx = mp.get_context(start)
-    # The caller holds the rendezvous store on a free port; the prefix keeps runs apart.
-    store = tdist.TCPStore(_HOST, 0, world_size + 1, is_master=True,
-                           timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
     prefix = f"parlearn-run-{os.getpid()}-{next(_run_ids)}"
-    procs, conns = [], {}
+    procs, conns, ports = [], {}, []
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
+    store = None
     try:
         for rank in range(world_size):
             recv, send = ctx.Pipe(duplex=False)
+            port_recv, port_send = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, name=f"parlearn-rank{rank}", daemon=True,
                             args=(fn, rank, world_size, tuple(args), backend, timeout,
-                                  store.port, prefix, send))
-            p.start()
+                                  port_recv, prefix, send))
+            with warnings.catch_warnings():
+                # Python >= 3.12 warns on fork from a threaded process; the child's first act
+                # (one intra-op thread) is what makes it safe for torch (module docstring).
+                warnings.filterwarnings("ignore", "This process .* is multi-threaded",
+                                        DeprecationWarning)
+                p.start()
             send.close()
+            port_recv.close()
             procs.append(p)
             conns[recv] = rank
+            ports.append(port_send)
             if pids is not None:
                 pids.append(p.pid)
+        # The rendezvous store (on a free port; the prefix keeps runs apart) starts only
+        # after the last fork: a child forked while the store's server thread holds a lock
+        # can deadlock in its first call.
+        store = tdist.TCPStore(_HOST, 0, world_size + 1, is_master=True,
+                               timeout=datetime.timedelta(seconds=timeout),
+                               wait_for_workers=False)
+        for c in ports:
+            c.send(store.port)
+            c.close()
         _collect(procs, conns, results, failures, deadline)
     finally:
         unfinished = sorted(conns.values())
-        for c in conns:
+        for c in [*conns, *ports]:
             c.close()
         _stop(procs)
         del store
@@ -366,6 +394,10 @@ def measure_alpha_beta(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES
                           world_size=world_size)
 
 
+def _trust(reliable: bool) -> str:
+    return "spread ok" if reliable else "UNRELIABLE: another program is using the cores"
+
+
 def bench(device: torch.device, quick: bool) -> list:
     """Rows for ``python -m parlearn.bench dist``, all on 2 real ranks (NCCL when ``device``
     is CUDA and there are 2 GPUs, else gloo on the CPU): the ring all-reduce written from
@@ -383,7 +415,7 @@ def bench(device: torch.device, quick: bool) -> list:
     rows = [Row("dist", f"all_reduce {big >> 20} MiB", "ring from send/recv (parlearn)",
                 t_torch / t_ring, cmp["device"],
                 detail=f"torch {t_torch * 1e3:.2f} ms, ring {t_ring * 1e3:.2f} ms; "
-                       f"{'reliable' if cmp['reliable'] else 'UNRELIABLE (busy machine)'}")]
+                       f"{_trust(cmp['reliable'])}")]
     fit_sizes = DEFAULT_SIZES[::4] if quick else DEFAULT_SIZES[::2]
     sw = sweep_collective(("all_reduce",), fit_sizes, 2, repeat=repeat, backend=backend)
     model = fit_alpha_beta(sw["sizes"], sw["median_s"]["all_reduce"], kind="all_reduce",
@@ -395,7 +427,8 @@ def bench(device: torch.device, quick: bool) -> list:
         rows.append(Row("dist", f"measured all_reduce {n / 1024:.0f} KiB",
                         "alpha-beta model (fitted here)", t / modeled, at["device"],
                         detail=f"ratio = measured/modeled; {model}; measured "
-                               f"{t * 1e6:.0f} us, modeled {modeled * 1e6:.0f} us"))
+                               f"{t * 1e6:.0f} us, modeled {modeled * 1e6:.0f} us; "
+                               f"{_trust(sw['reliable'] and at['reliable'])}"))
     return rows
 
 
@@ -438,9 +471,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    device = None
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    tdist.init_process_group(backend, timeout=datetime.timedelta(seconds=opts.timeout))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+    tdist.init_process_group(backend, timeout=datetime.timedelta(seconds=opts.timeout),
+                             device_id=device)
     try:
         value = fn(rank, world_size, *extra)
         print(f"rank {rank}: {value!r}", flush=True)

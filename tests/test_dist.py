@@ -226,6 +226,11 @@ def _dp_step_ledger(rank, world_size, sizes):
         tdist.reduce_scatter_tensor(torch.empty(6), torch.ones(6 * world_size))
         tdist.all_to_all_single(torch.empty(4 * world_size), torch.ones(4 * world_size))
         tdist.barrier()
+        right, left = (rank + 1) % world_size, (rank - 1) % world_size
+        ops = [tdist.P2POp(tdist.isend, torch.ones(5), right),
+               tdist.P2POp(tdist.irecv, torch.empty(5), left)]
+        for req in tdist.batch_isend_irecv(ops):
+            req.wait()
     return (led.count("all_reduce"), led.bytes("all_reduce"), ring.bytes("isend"),
             ring.bytes("recv"), ring.count("all_reduce"), other.summary(), led.records[0].ranks)
 
@@ -247,6 +252,9 @@ def test_ledger_bytes_equal_the_formulas(world_size):
         assert other["reduce_scatter_tensor"][:2] == (1, 24 * world_size)
         assert other["all_to_all_single"][:2] == (1, 16 * world_size)
         assert other["barrier"][:2] == (1, 0)
+        # The isend/irecv that batch_isend_irecv issues are not counted a second time.
+        assert other["batch_isend_irecv"][:2] == (1, 40)
+        assert "isend" not in other and "irecv" not in other
 
 
 def test_ledger_restores_torch_functions():
@@ -372,3 +380,51 @@ def test_measure_alpha_beta_on_real_ranks_gives_a_usable_model():
     # Any machine has some latency or some per-byte cost; the fit says which, >= 0.
     assert model.alpha >= 0 and model.beta >= 0 and (model.alpha > 0 or model.beta > 0)
     assert collective_time("all_reduce", 262144, 2, model) > 0
+
+
+# ---- the lesson's workers --------------------------------------------------------------
+
+def test_collectives_demo_equals_the_serial_semantics():
+    n, k = 3, 2
+    demo = dist.run(collectives.collectives_demo, n, args=(k,), timeout=T)
+    mine = [torch.arange(1, n * k + 1) + 10 * r for r in range(n)]
+    total = torch.stack(mine).sum(0)
+    for r, d in enumerate(demo):
+        assert all(torch.equal(d[c][0], mine[r] if c != "all_gather" else mine[r][:k])
+                   for c in d)
+        assert torch.equal(d["broadcast"][1], mine[0])
+        assert torch.equal(d["all_reduce"][1], total)
+        assert torch.equal(d["reduce_scatter"][1], total.chunk(n)[r])
+        assert torch.equal(d["all_gather"][1], torch.cat([m[:k] for m in mine]))
+        assert torch.equal(d["all_to_all"][1], torch.cat([m.chunk(n)[r] for m in mine]))
+    assert torch.equal(demo[0]["reduce"][1], total)
+    with pytest.raises(ValueError, match="per_rank"):
+        collectives.collectives_demo(0, 4, 3)
+
+
+@pytest.mark.parametrize("world_size, numel", [(4, 1001), (3, 10), (2, 5)])
+def test_ring_ledger_with_uneven_chunks(world_size, numel):
+    out = dist.run(collectives.ring_ledger, world_size, args=(numel,), timeout=T)
+    sizes = [len(c) for c in torch.arange(numel).tensor_split(world_size)]
+    for rank, o in enumerate(out):
+        # The reduce-scatter phase sends every chunk but the rank's own and receives every
+        # chunk but its left neighbour's; the all-gather phase sends every chunk but its
+        # right neighbour's and receives every chunk but its own.
+        left, right = sizes[(rank - 1) % world_size], sizes[(rank + 1) % world_size]
+        assert o["sent"] == 4 * (2 * numel - sizes[rank] - right)
+        assert o["received"] == 4 * (2 * numel - left - sizes[rank])
+        assert o["payload"] == 4 * numel
+
+
+def test_plot_collectives_draws_every_collective():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    demo = dist.run(collectives.collectives_demo, 2, timeout=T)
+    fig, axes = plt.subplots(6, 2)
+    collectives.plot_collectives(demo, axes)
+    assert [ax.get_title() for ax in axes[:, 1]] == [f"{c}: after" for c in demo[0]]
+    assert sum(len(ax.texts) for ax in axes[:, 0]) == sum(
+        v[0].numel() for d in demo for v in d.values())
+    plt.close(fig)
