@@ -21,6 +21,9 @@ per-stage costs (modeled). Schedules:
   of lesson 20. ``W`` fills the idle slots. Built by our own greedy list scheduler under
   unit costs (see :func:`_zero_bubble`), not copied from the paper's figure.
 
+The ranks are CPU processes on gloo (also on a machine with GPUs): the point is the
+schedule and its exactness; timing at scale comes from the simulator.
+
 For equal stage costs GPipe and 1F1B idle a fraction ``(P-1)/(M+P-1)`` of the time
 (:func:`bubble_formula`): the pipeline fills for ``P-1`` slots and drains for ``P-1``.
 
@@ -549,7 +552,8 @@ def run_pipeline(kind: str, model: nn.Sequential, x: torch.Tensor, y: torch.Tens
     ``micro_batches`` (``torch.tensor_split``). The loss is the full-batch
     ``sum((model(x) - y)^2) / len(x)``. ``verbose`` prints every send/recv and op with its
     time on its rank (a text timeline). A sequence of micro-batch counts runs them all in
-    one launch and returns a list."""
+    one launch and returns a list. ``timeout`` is the group's per-message timeout; the
+    whole run is stopped after ``4 * timeout`` seconds (:class:`parlearn.dist.RankError`)."""
     check_choice("kind", kind, SCHEDULES)
     stages, counts = _check_pipeline_args(model, x, y, stages, counts)
     ms, single = _micro_list(micro_batches, len(x))
@@ -558,7 +562,7 @@ def run_pipeline(kind: str, model: nn.Sequential, x: torch.Tensor, y: torch.Tens
 
     _preimport()
     per_rank = dist.run(_worker_schedule, stages, args=(kind, model, x, y, counts, ms),
-                        timeout=timeout, deadline=4 * timeout)
+                        backend="gloo", timeout=timeout, deadline=4 * timeout)
     runs = []
     for i, m in enumerate(ms):
         results = [r[i] for r in per_rank]
@@ -690,7 +694,7 @@ def run_torch_pipeline(kind: str, model: nn.Sequential, x: torch.Tensor, y: torc
     _preimport()
     import torch.distributed.pipelining  # noqa: F401  (imported once here, not per rank)
     per_rank = dist.run(_worker_torch, stages, args=(kind, model, x, y, counts, ms),
-                        timeout=timeout, deadline=4 * timeout)
+                        backend="gloo", timeout=timeout, deadline=4 * timeout)
     grads = [[g for r in per_rank for g in r[i]] for i in range(len(ms))]
     return grads[0] if single else grads
 
@@ -755,7 +759,7 @@ def hydra_train(models: Sequence[nn.Sequential], data: Sequence[tuple[torch.Tens
     _preimport()
     per_rank = dist.run(_worker_hydra, stages,
                         args=(kind, list(models), list(data), counts, m, steps, lr),
-                        timeout=timeout, deadline=4 * timeout)
+                        backend="gloo", timeout=timeout, deadline=4 * timeout)
     trained = []
     for i, model in enumerate(models):
         new = copy.deepcopy(model)
