@@ -322,7 +322,8 @@ class _Stage:
     """One rank's stage: its layers of each model (Hydra trains several; one usually),
     run op by op. Each layer's input is detached, so every layer has its own small graph:
     ``B`` walks the delta chain layer by layer and ``W`` forms each layer's weight gradient
-    from its saved output delta, the delta/G split of lesson 20."""
+    from its saved output delta, the delta/G split of lesson 20. (Stage 0's first layer has
+    no input gradient to form: the data needs none.)"""
 
     def __init__(self, rank: int, world: int, layers: list[list[nn.Module]], split: bool,
                  t0: float):
@@ -868,32 +869,41 @@ def bench(device: torch.device, quick: bool) -> list:
     with equal stages against ``(P-1)/(M+P-1)`` (ratio measured/modeled; communication and
     a busy machine push it above 1); (2) the step time (first op start to last op end, median
     of repeats in one launch) of a skewed model cut into equal layer counts vs cut by
-    :func:`partition_balanced` of :func:`layer_costs` (ratio naive/balanced)."""
-    from statistics import median
-
+    :func:`partition_balanced` of :func:`layer_costs` (ratio naive/balanced). Each row's
+    detail gives the spread of the step times and whether it was readable."""
     from .bench import Row
+    from .timing import Timing
 
     del device
     repeat, m, rows = (3 if quick else 7), 4, []
     where = f"2 gloo ranks on CPU ({__import__('os').cpu_count()} cores)"
+
+    def readable(t: Timing) -> str:
+        return (f"spread {t.spread:.2f}, "
+                f"{'reliable' if t.reliable else 'UNRELIABLE (busy machine)'}")
+
     model = make_model([256] * 5, seed=0)
     x, y = make_data(model, 512 if quick else 2048, seed=1)
     runs = run_pipeline("1f1b", model, x, y, 2, [m] * (repeat + 1))[1:]   # first: warm-up
-    measured = median(r.bubble for r in runs)
+    spans = Timing(tuple(_makespan(r) for r in runs), where, threads=1)
+    measured = sorted(r.bubble for r in runs)[len(runs) // 2]
     rows.append(Row("pipeline", f"bubble formula (P-1)/(M+P-1), P=2 M={m}",
                     "1F1B measured bubble", measured / bubble_formula(2, m), where,
                     detail=f"ratio = measured/modeled; measured {measured:.3f}, "
-                           f"formula {bubble_formula(2, m):.3f}"))
+                           f"formula {bubble_formula(2, m):.3f}; step {readable(spans)}"))
     skewed = make_model([128, 128, 128, 128, 128, 1024, 128], seed=0)
     xs, ys = make_data(skewed, 512 if quick else 2048, seed=1)
     balanced = partition_balanced(layer_costs(skewed, xs, repeat=repeat), 2)
     naive = partition_equal(len(skewed), 2)
-    spans = {}
+    steps = {}
     for name, counts in (("naive", naive), ("balanced", balanced)):
         got = run_pipeline("1f1b", skewed, xs, ys, 2, [m] * (repeat + 1), counts=counts)[1:]
-        spans[name] = median(_makespan(r) for r in got)
+        steps[name] = Timing(tuple(_makespan(r) for r in got), where, threads=1)
     rows.append(Row("pipeline", f"equal layer counts {naive}",
-                    f"balanced by measured cost {balanced}", spans["naive"] / spans["balanced"],
-                    where, detail=f"1F1B step, M={m}: naive {spans['naive'] * 1e3:.1f} ms, "
-                                  f"balanced {spans['balanced'] * 1e3:.1f} ms"))
+                    f"balanced by measured cost {balanced}",
+                    steps["naive"].median / steps["balanced"].median, where,
+                    detail=f"1F1B step, M={m}: naive {steps['naive'].median * 1e3:.1f} ms "
+                           f"({readable(steps['naive'])}), balanced "
+                           f"{steps['balanced'].median * 1e3:.1f} ms "
+                           f"({readable(steps['balanced'])})"))
     return rows
