@@ -47,18 +47,23 @@ BenchFn = Callable[[torch.device, bool], list[Row]]
 BENCHES: dict[str, tuple[str, str]] = {
     "basics": ("parlearn.basics",
                "batched matmul (torch.bmm) vs a Python loop of the same matmuls"),
+    # Part 1: training on many devices
+    "dist": ("parlearn.dist", "ring all-reduce from send/recv vs all_reduce; measured/modeled"),
+    "data_parallel": ("parlearn.dp_workers", "DP step: bucketed vs naive; 8-bit vs fp32"),
+    "sharding": ("parlearn.sharding",
+                 "ZeRO 1-3 on 2 gloo ranks: bytes per rank measured vs modeled; step vs plain DP"),
+    "pipeline": ("parlearn.pipeline",
+                 "1F1B bubble measured vs (P-1)/(M+P-1); balanced vs equal split"),
+    # Part 2: breaking backprop's serial chain
     "leapfrog": ("parlearn.leapfrog",
                  "backward schedules on a deep narrow MLP: leapfrog/segments vs serial"),
     "multigrid": ("parlearn.multigrid",
                   "layer-parallel forward/backward (MGRIT) vs the best serial ResNet"),
+    # Part 3: many copies at once
     "dither": ("parlearn.dither",
                "P=64 noisy copies: one batched forward/backward vs a loop over copies"),
-    "data_parallel": ("parlearn.dp_workers", "DP step: bucketed vs naive; 8-bit vs fp32"),
     "decoding": ("parlearn.decoding",
                  "forward passes per sequence at >= 99% validity, and the decoder's own time"),
-    "dist": ("parlearn.dist", "ring all-reduce from send/recv vs all_reduce; measured/modeled"),
-    "sharding": ("parlearn.sharding",
-                 "ZeRO 1-3 on 2 gloo ranks: bytes per rank measured vs modeled; step vs plain DP"),
 }
 
 
