@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dev = pick_device(args.device)
         print(f"# parlearn.bench on {describe_str(dev)}")
-        print("# ratio = baseline time / variant time, medians, measured interleaved in this run")
+        print("# ratio = baseline time / variant time: median of the per-repeat ratios, measured "
+              "interleaved in this run")
         rows = run(args.names, device=str(dev), quick=args.quick)
     except ValueError as err:
         parser.error(str(err))

@@ -2,8 +2,8 @@
 
 Everything in parlearn that reports a time goes through here. :func:`compare`
 times several candidates *interleaved* (a, b, a, b, ...) so that noise from the
-rest of the machine hits all of them alike, and reports ratios of medians together
-with the spread of the per-repeat ratios.
+rest of the machine hits all of them alike, and reports the median of the per-repeat
+ratios together with their interquartile range.
 
 Every result says how far to trust it: ``spread`` is the interquartile range of the
 repeats over their median, and when it exceeds :data:`SPREAD_LIMIT` the result is
@@ -93,9 +93,13 @@ class Comparison:
     device: str = field(default="cpu")
 
     def speedup(self, name: str, over: str | None = None) -> float:
-        """Median time of ``over`` (default: the baseline) divided by that of ``name``."""
-        ref = self.timings[over or self.baseline]
-        return ref.median / self.timings[name].median
+        """Median of the per-repeat ratios ``over[i] / name[i]`` (default ``over``: the baseline).
+
+        Each ratio pairs two runs taken back to back, so noise from the rest of the machine
+        largely cancels in it; and the headline always lies inside :meth:`speedup_range`
+        (a ratio of medians need not: seen 41.5x beside an IQR of 27-41x).
+        """
+        return statistics.median(self.ratios(name, over))
 
     def ratios(self, name: str, over: str | None = None) -> list[float]:
         """Per-repeat ratios ``over[i] / name[i]`` of the interleaved pairs."""
