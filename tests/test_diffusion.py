@@ -203,3 +203,15 @@ def test_tiny_mdlm_bad_calls():
         TinyMDLM(4, 4, width=10, heads=4)
     with pytest.raises(TypeError, match="seed"):
         TinyMDLM(4, 4, seed=1.5)
+
+
+def test_unmasked_positions_are_one_hot_even_in_inconsistent_contexts():
+    # Known members that disagree (0 then 0, where the language needs 0 then 1): the
+    # masked member follows the first one, and each unmasked row stays its own token.
+    lang = GroupLanguage(groups=1, size=3, m=4)
+    p = lang.denoiser(torch.tensor([[0, 0, lang.mask_id]]))[0]
+    assert p[0].argmax() == 0 and p[1].argmax() == 0 and p[1].max() == 1
+    assert p[2].argmax() == 2  # x = 0 from member 0: member 2 is 0 + 2
+    paired = PairedPhrase(slots=1, m=4)
+    q = paired.denoiser(torch.tensor([[0, 0]]))[0]
+    assert q[1].argmax() == 0 and q[1].max() == 1
