@@ -56,6 +56,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "decoding": ("parlearn.decoding",
                  "forward passes per sequence at >= 99% validity, and the decoder's own time"),
     "dist": ("parlearn.dist", "ring all-reduce from send/recv vs all_reduce; measured/modeled"),
+    "tensor_parallel": ("parlearn.tensor_parallel",
+                        "Megatron block and planned tilings: counted vs modeled comm bytes"),
 }
 
 

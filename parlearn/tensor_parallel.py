@@ -39,7 +39,9 @@ from .checks import check_choice, check_int, check_module, check_seed
 
 __all__ = ["CopyToRanks", "SumOverRanks", "ColumnParallelLinear", "RowParallelLinear",
            "MegatronMLP", "serial_mlp", "megatron_worker", "megatron_check",
-           "MOVEMENTS", "movement", "dot_product_test"]
+           "MOVEMENTS", "movement", "dot_product_test", "CUTS", "plan_collectives",
+           "plan_cost", "best_one_cut", "brute_force_cut", "recursive_plan",
+           "hlo_collectives", "bytes_by_kind", "bench"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -214,8 +216,9 @@ def megatron_check(world_size: int, batch: int = 4, d_model: int = 8, d_hidden: 
     (full(x) * w).sum().backward()
     ref = dict(y=full(x).detach(), dx=x.grad, w1=full[0].weight.grad, b1=full[0].bias.grad,
                w2=full[2].weight.grad, b2=full[2].bias.grad)
+    # gloo whatever GPUs exist: the worker computes on CPU tensors on a "cpu" mesh.
     res = run(megatron_worker, world_size, args=(batch, d_model, d_hidden, seed),
-              timeout=timeout, deadline=4 * timeout)
+              backend="gloo", timeout=timeout, deadline=4 * timeout)
     cat = dict(w1=0, b1=0, w2=1)  # how each scratch shard was cut from the full tensor
     err_s = err_d = 0.0
     for r in res:
@@ -335,3 +338,286 @@ def dot_product_test(name: str, p: int, rows: int = 3, cols: int = 2,
     adj = torch.autograd.grad(fx, x, grad_outputs=y)
     rhs = _inner([t.detach() for t in x], list(adj))
     return lhs.item(), rhs.item()
+
+
+# ---------------------------------------------------------------------------------------
+# SoyBean-style tiling search for a chain of matmul layers Y_l = X_l W_l, X_{l+1} = act(Y_l).
+
+CUTS = ("batch", "column", "row")
+"""How one cut splits a layer's matmul ``(B x d_in) @ (d_in x d_out)`` over the groups:
+along the batch (data parallel), along ``d_out`` (W by columns), along ``d_in`` (W by rows,
+partial sums). Replicating an operator's work is not offered: with communication as the
+only cost it would always win, which is why SoyBean splits every operator."""
+
+# The tiling of X a cut needs, and the tiling of Y it leaves: r = rows (batch) split,
+# c = columns split, R = replicated (a row cut all-reduces its partial sums to R).
+_NEEDS = {"batch": "r", "column": "R", "row": "c"}
+_LEAVES = {"batch": "r", "column": "c", "row": "R"}
+
+
+def _layer_collectives(cut: str, batch: int, d_in: int, d_out: int, itemsize: int,
+                       need_dx: bool) -> list[tuple[str, str, int]]:
+    x, w, y = batch * d_in * itemsize, d_in * d_out * itemsize, batch * d_out * itemsize
+    if cut == "batch":
+        return [("backward", "all_reduce", w)]  # dW: every group holds a partial sum
+    if cut == "column":
+        return [("backward", "all_reduce", x)] if need_dx else []  # dX partial sums
+    return [("forward", "all_reduce", y)]  # the partial sums of Y
+
+
+def _conversion(src: str, dst: str, size: int, groups: int) -> list[tuple[str, str, int]]:
+    """Collectives to re-tile an activation of ``size`` bytes from ``src`` to ``dst`` and
+    its gradient back (the adjoint movement): R -> split is a free slice whose adjoint is an
+    all-gather; split -> R an all-gather whose adjoint is a free slice; r <-> c an
+    all-to-all both ways (payload: one group's block, ``size / groups``)."""
+    if src == dst:
+        return []
+    if src == "R":
+        return [("backward", "all_gather", size)]
+    if dst == "R":
+        return [("forward", "all_gather", size)]
+    return [("forward", "all_to_all", size // groups), ("backward", "all_to_all", size // groups)]
+
+
+def plan_collectives(cuts: Sequence[str], batch: int, widths: Sequence[int], groups: int = 2,
+                     itemsize: int = 4) -> list[tuple[int, str, str, int]]:
+    """The collectives one training step of the chain issues under ``cuts`` (one per
+    layer) over ``groups`` groups: ``(layer, phase, kind, payload bytes)``. ``widths`` is
+    ``(d_0, ..., d_L)``; the input's gradient is not needed (it is data), the input arrives
+    in whatever tiling layer 0 needs, the output is left in its layer's tiling."""
+    widths = [check_int("widths", w, lo=1) for w in widths]
+    batch = check_int("batch", batch, lo=1)
+    groups = check_int("groups", groups, lo=2)
+    if len(cuts) != len(widths) - 1:
+        raise ValueError(f"cuts must have one entry per layer ({len(widths) - 1}), "
+                         f"got {len(cuts)}")
+    out = []
+    for layer, cut in enumerate(cuts):
+        check_choice("cuts", cut, CUTS)
+        if layer:
+            size = batch * widths[layer] * itemsize
+            out += [(layer, ph, k, b) for ph, k, b in
+                    _conversion(_LEAVES[cuts[layer - 1]], _NEEDS[cut], size, groups)]
+        out += [(layer, ph, k, b) for ph, k, b in
+                _layer_collectives(cut, batch, widths[layer], widths[layer + 1], itemsize,
+                                   need_dx=layer > 0)]
+    return out
+
+
+def plan_cost(cuts: Sequence[str], batch: int, widths: Sequence[int], groups: int = 2,
+              itemsize: int = 4) -> float:
+    """Bytes each group sends in one step under ``cuts``: the ring bytes
+    (:func:`parlearn.dist_model.ring_bytes`) of every collective of :func:`plan_collectives`."""
+    from .dist_model import ring_bytes
+
+    return float(sum(ring_bytes(k, b, groups) for _, _, k, b in
+                     plan_collectives(cuts, batch, widths, groups, itemsize)))
+
+
+def best_one_cut(batch: int, widths: Sequence[int], groups: int = 2,
+                 itemsize: int = 4) -> tuple[list[str], float]:
+    """The cuts minimising :func:`plan_cost`, by dynamic programming over the chain (the
+    cost is a sum of per-layer terms and terms between consecutive layers, so the best
+    plan ending in cut ``c`` at layer ``l`` extends a best plan ending at layer ``l-1``).
+    Ties go to the earlier cut in :data:`CUTS`. ``O(L * 9)`` cost evaluations."""
+    widths = [check_int("widths", w, lo=1) for w in widths]
+    batch = check_int("batch", batch, lo=1)
+    groups = check_int("groups", groups, lo=2)
+    if len(widths) < 2:
+        raise ValueError("widths needs at least 2 entries (one layer)")
+    shapes = [[batch, widths[i], widths[i + 1]] for i in range(len(widths) - 1)]
+    return _best_local(shapes, itemsize, groups)
+
+
+def brute_force_cut(batch: int, widths: Sequence[int], groups: int = 2,
+                    itemsize: int = 4) -> tuple[list[str], float]:
+    """The serial reference of :func:`best_one_cut`: every one of the ``3^L`` plans."""
+    import itertools
+
+    plans = itertools.product(CUTS, repeat=len(widths) - 1)
+    return min(((list(p), plan_cost(p, batch, widths, groups, itemsize)) for p in plans),
+               key=lambda t: t[1])
+
+
+def recursive_plan(batch: int, widths: Sequence[int], levels: int,
+                   itemsize: int = 4) -> tuple[list[list[str]], float]:
+    """SoyBean's recursion for ``2^levels`` devices: the best one cut over 2 groups, then
+    again inside each half on the layer shapes that cut left, ``levels`` times. Returns the
+    cuts per level and the bytes each device sends (sum over levels). Our reconstruction:
+    here every layer keeps its own local shape (batch, d_in, d_out) and an activation
+    between layers is priced at the size of its consumer's local input; the paper's
+    proof that recursing on one-cut optima is optimal is not reproduced."""
+    levels = check_int("levels", levels, lo=1)
+    widths = [check_int("widths", w, lo=1) for w in widths]
+    shapes = [[batch, widths[i], widths[i + 1]] for i in range(len(widths) - 1)]
+    per_level, total = [], 0.0
+    for _ in range(levels):
+        cuts, cost = _best_local(shapes, itemsize, 2)
+        per_level.append(cuts)
+        total += cost
+        for s, c in zip(shapes, cuts, strict=True):
+            axis = {"batch": 0, "row": 1, "column": 2}[c]
+            if s[axis] % 2:
+                raise ValueError(f"a {c} cut needs an even size, got layer shape {s}")
+            s[axis] //= 2
+    return per_level, total
+
+
+def _best_local(shapes: list[list[int]], itemsize: int,
+                groups: int) -> tuple[list[str], float]:
+    """The DP of :func:`best_one_cut` for layers with their own (batch, d_in, d_out)."""
+    from .dist_model import ring_bytes
+
+    def cost(items):
+        return float(sum(ring_bytes(k, n, groups) for *_, k, n in items))
+
+    b, di, do = shapes[0]
+    best = {c: (cost(_layer_collectives(c, b, di, do, itemsize, False)), [c]) for c in CUTS}
+    for layer in range(1, len(shapes)):
+        b, di, do = shapes[layer]
+        size = b * di * itemsize
+        new = {}
+        for c in CUTS:
+            own = cost(_layer_collectives(c, b, di, do, itemsize, True))
+            new[c] = min(((best[p][0] + cost(_conversion(_LEAVES[p], _NEEDS[c], size, groups))
+                           + own, best[p][1] + [c]) for p in CUTS), key=lambda t: t[0])
+        best = new
+    total, cuts = min(best.values(), key=lambda t: t[0])
+    return cuts, total
+
+
+# ---------------------------------------------------------------------------------------
+# The plan on a JAX mesh: the collectives XLA inserts, read from the compiled HLO.
+
+_HLO_SCRIPT = r'''
+import json, re, sys
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+plans, batch, widths, devices = json.loads(sys.argv[1])
+mesh = jax.make_mesh((devices,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+sh = lambda s: NamedSharding(mesh, s)
+x_spec = {"batch": P("d", None), "column": P(None, None), "row": P(None, "d")}
+w_spec = {"batch": P(None, None), "column": P(None, "d"), "row": P("d", None)}
+y_spec = {"batch": P("d", None), "column": P(None, "d"), "row": P(None, None)}
+size = {"f32": 4, "f64": 8, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1}
+
+def collectives(cuts):
+    def chain(ws, x):
+        for i, (w, c) in enumerate(zip(ws, cuts)):
+            x = jax.lax.with_sharding_constraint(x, sh(x_spec[c])) @ w
+            x = jax.lax.with_sharding_constraint(x, sh(y_spec[c]))
+            if i < len(cuts) - 1:
+                x = jnp.tanh(x)
+        return x
+
+    def step(ws, x, g):  # the output (a loss needs it) and the weight gradients
+        y, back = jax.vjp(lambda v: chain(v, x), ws)
+        return y, back(g)[0]
+
+    ws = [jnp.ones((widths[i], widths[i + 1]), jnp.float32) for i in range(len(cuts))]
+    x = jnp.ones((batch, widths[0]), jnp.float32)
+    g = jnp.ones((batch, widths[-1]), jnp.float32)
+    fn = jax.jit(step, in_shardings=([sh(w_spec[c]) for c in cuts], sh(x_spec[cuts[0]]),
+                                     sh(y_spec[cuts[-1]])),
+                 out_shardings=(sh(y_spec[cuts[-1]]), [sh(w_spec[c]) for c in cuts]))
+    ops = []
+    for line in fn.lower(ws, x, g).compile().as_text().splitlines():
+        line = re.sub(r"/\*index=[0-9]+\*/", "", line)  # tuple results carry these
+        m = re.search(r"=\s*(\(?[^=]*?)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|"
+                      r"collective-permute)(-start)?\(", line)
+        if not m:
+            continue
+        total = 0  # a tuple-shaped op (one piece per peer, or fused ops) counts as one
+        for dt, dims in re.findall(r"(f32|f64|bf16|f16|s32|u32|pred)\[([0-9,]*)\]",
+                                   m.group(1)):
+            n = 1
+            for d in filter(None, dims.split(",")):
+                n *= int(d)
+            total += n * size[dt]
+        ops.append((m.group(2).replace("-", "_"), total))
+    return ops
+
+print(json.dumps([collectives(c) for c in plans]))
+'''
+
+
+def hlo_collectives(plans: Sequence[Sequence[str]], batch: int, widths: Sequence[int],
+                    devices: int = 8, timeout: float = 300) -> list[list[tuple[str, int]]]:
+    """For each plan (cuts, one per layer): ``(kind, bytes)`` of every collective XLA
+    puts in one training step of the chain (output and weight gradients by ``jax.vjp``,
+    float32, ``tanh`` between layers, the output's cotangent given in the output's tiling)
+    when each layer's input, weight and output are constrained to the tilings of its cut,
+    on a mesh of ``devices`` fake CPU devices. Bytes are of the shape the compiled HLO
+    gives each op's result (summed over a tuple's elements: XLA fuses collectives and
+    gives an all-to-all one element per peer): the payloads :func:`plan_collectives`
+    predicts. Runs JAX in
+    one subprocess with ``JAX_NUM_CPU_DEVICES`` set, so it works after JAX started here."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    devices = check_int("devices", devices, lo=2)
+    widths = [check_int("widths", w, lo=1) for w in widths]
+    plans = [list(p) for p in plans]
+    for p in plans:
+        plan_collectives(p, batch, widths, devices)  # validates cuts and sizes
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run([sys.executable, "-c", _HLO_SCRIPT,
+                           json.dumps([plans, batch, widths, devices])],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+    if done.returncode:
+        raise RuntimeError(f"the JAX subprocess failed:\n{done.stderr[-3000:]}")
+    return [[(k, int(b)) for k, b in ops]
+            for ops in json.loads(done.stdout.strip().splitlines()[-1])]
+
+
+def bytes_by_kind(ops: Sequence[tuple]) -> dict[str, int]:
+    """Total payload bytes per collective kind of ``ops`` (tuples ending ``kind, bytes``,
+    as :func:`plan_collectives` and :func:`hlo_collectives` give them). Totals, not op
+    lists, are what to compare: XLA fuses several all-reduces into one tuple-shaped op."""
+    out: dict[str, int] = {}
+    for *_, kind, nbytes in ops:
+        out[kind] = out.get(kind, 0) + int(nbytes)
+    return dict(sorted(out.items()))
+
+
+def bench(device: torch.device, quick: bool) -> list:
+    """Rows for ``python -m parlearn.bench tensor_parallel``: communication counted against
+    the cost model (``ratio`` = counted bytes / modeled bytes; 1.0 is agreement). Bytes do
+    not depend on the device, so every row runs on the CPU whatever ``device`` is (the
+    rows name where they ran): the Megatron block on 2 gloo ranks (payloads from
+    :func:`parlearn.dist.ledger`, forward plus backward), and the plan
+    :func:`best_one_cut` picks for two networks on a JAX mesh of 8 fake CPU devices
+    (payloads from the compiled HLO). No times are claimed."""
+    from .bench import Row
+
+    del device  # see the docstring: communication volume is device-independent
+    rows = []
+    b, d, h = (8, 16, 32) if quick else (32, 64, 256)
+    res = megatron_check(2, batch=b, d_model=d, d_hidden=h)
+    counted = sum(n for phase in res["ledger"].values() for _, n, _ in phase.values())
+    modeled = sum(n for *_, n in _layer_collectives("column", b, d, h, 8, True)
+                  + _layer_collectives("row", b, h, d, 8, True))
+    rows.append(Row("tensor_parallel", "cost model: all-reduce |Y| fwd + |X| bwd",
+                    "Megatron MLP from scratch, ledger bytes", counted / modeled,
+                    "cpu (gloo, 2 ranks)",
+                    target="counted = modeled", met=counted == modeled,
+                    detail=f"float64 batch {b}, d {d}, hidden {h}: counted {counted} B, "
+                           f"modeled {modeled} B; max error vs unsharded "
+                           f"{max(res['scratch'], res['dtensor']):.1e}"))
+    nets = {"wide layers, small batch": (8, [256, 1024, 256]),
+            "narrow layers, large batch": (512, [32, 64, 32])}
+    plans = {name: best_one_cut(bt, w, 8)[0] for name, (bt, w) in nets.items()}
+    for name, (bt, w) in nets.items():
+        ops = hlo_collectives([plans[name]], bt, w)[0]
+        predicted = bytes_by_kind(plan_collectives(plans[name], bt, w, 8))
+        got, want = sum(bytes_by_kind(ops).values()), sum(predicted.values())
+        rows.append(Row("tensor_parallel", "planner's predicted payload bytes",
+                        f"{name}: plan {'/'.join(plans[name])}, XLA HLO bytes",
+                        got / want, "JAX, 8 fake CPU devices",
+                        target="counted = modeled", met=got == want,
+                        detail=f"batch {bt}, widths {w}: HLO {bytes_by_kind(ops)}, "
+                               f"predicted {predicted}"))
+    return rows

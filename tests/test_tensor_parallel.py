@@ -81,3 +81,66 @@ def test_movement_validates_its_arguments():
         tp.movement("teleport", [torch.ones(2)], 2)
     with pytest.raises(ValueError, match="p"):
         tp.dot_product_test("broadcast", 0)
+
+
+# ---- the tiling search ---------------------------------------------------------------
+
+def test_plan_collectives_of_the_textbook_plans():
+    b, d, h = 16, 32, 64
+    # Data parallel: one gradient all-reduce per weight, nothing else.
+    assert tp.plan_collectives(["batch", "batch"], b, [d, h, d], 2) == [
+        (0, "backward", "all_reduce", d * h * 4), (1, "backward", "all_reduce", h * d * 4)]
+    # Megatron (column then row): one all-reduce of Y forward (no dX: the input is data).
+    assert tp.plan_collectives(["column", "row"], b, [d, h, d], 2) == [
+        (1, "forward", "all_reduce", b * d * 4)]
+
+
+@pytest.mark.parametrize("groups", [2, 8])
+def test_one_cut_dp_is_optimal_against_brute_force(groups):
+    g = torch.Generator().manual_seed(groups)
+    for _ in range(40):
+        layers = int(torch.randint(1, 5, (1,), generator=g))
+        widths = [8 * int(w) for w in torch.randint(1, 65, (layers + 1,), generator=g)]
+        batch = 8 * int(torch.randint(1, 65, (1,), generator=g))
+        cuts, cost = tp.best_one_cut(batch, widths, groups)
+        _, best = tp.brute_force_cut(batch, widths, groups)
+        assert cost == best
+        assert tp.plan_cost(cuts, batch, widths, groups) == cost  # the DP's plan costs that
+
+
+def test_recursive_plan_one_level_is_the_one_cut_and_levels_add_up():
+    widths, batch = [64, 256, 64, 128], 32
+    (cuts,), cost = tp.recursive_plan(batch, widths, 1)
+    assert (cuts, cost) == tuple(tp.best_one_cut(batch, widths, 2))
+    per_level, total = tp.recursive_plan(batch, widths, 3)
+    assert len(per_level) == 3 and total > cost
+    # Level 2's cost is the one-cut optimum on the shapes level 1 left.
+    shapes = [[batch, widths[i], widths[i + 1]] for i in range(3)]
+    for s, c in zip(shapes, per_level[0], strict=True):
+        s[{"batch": 0, "row": 1, "column": 2}[c]] //= 2
+    assert per_level[1] == tp._best_local(shapes, 4, 2)[0]
+    with pytest.raises(ValueError, match="even"):
+        tp.recursive_plan(2, [3, 5], 3)
+
+
+def test_planner_validates_arguments():
+    with pytest.raises(ValueError, match="cuts"):
+        tp.plan_collectives(["batch"], 4, [4, 4, 4])
+    with pytest.raises(ValueError, match="cuts"):
+        tp.plan_collectives(["diagonal"], 4, [4, 4])
+    with pytest.raises(ValueError, match="groups"):
+        tp.best_one_cut(4, [4, 4], groups=1)
+
+
+def test_predicted_bytes_equal_the_collectives_xla_inserts_on_8_devices():
+    batch, widths = 16, [32, 64, 16, 32]
+    plans = [("batch", "batch", "batch"),      # data parallel
+             ("column", "column", "column"),   # column-sharded throughout
+             ("row", "row", "row"),            # row-sharded throughout
+             ("column", "row", "batch"),       # Megatron block, then data parallel
+             ("batch", "row", "column")]       # with an all-to-all re-tiling
+    hlo = tp.hlo_collectives(plans, batch, widths, devices=8, timeout=240)
+    for plan, ops in zip(plans, hlo, strict=True):
+        predicted = tp.bytes_by_kind(tp.plan_collectives(plan, batch, widths, 8))
+        assert tp.bytes_by_kind(ops) == predicted, plan
+        assert predicted  # every one of these plans communicates
