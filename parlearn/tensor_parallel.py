@@ -22,7 +22,9 @@ operator ``F`` whose backward is its adjoint ``F*``: broadcast and sum-reduce ar
 scatter and gather are adjoint, all-gather and reduce-scatter are adjoint, all-reduce is
 self-adjoint. Here the movements act on a *list of per-rank tensors* in one process
 (:data:`MOVEMENTS`), each wrapped in an autograd function whose backward calls the
-hand-written adjoint; :func:`dot_product_test` checks ``<F x, y> = <x, F* y>``. This is
+hand-written adjoint; :func:`dot_product_test` checks ``<F x, y> = <x, F* y>``. Four of
+them also exist on real ranks (:data:`RANK_MOVEMENTS`, checked by
+:func:`rank_dot_product_worker`). This is
 our reconstruction from the paper's abstract and public descriptions, not DistDL's code.
 """
 
@@ -41,7 +43,8 @@ __all__ = ["CopyToRanks", "SumOverRanks", "ColumnParallelLinear", "RowParallelLi
            "MegatronMLP", "serial_mlp", "megatron_worker", "megatron_check",
            "MOVEMENTS", "movement", "dot_product_test", "CUTS", "plan_collectives",
            "plan_cost", "best_one_cut", "brute_force_cut", "recursive_plan",
-           "hlo_collectives", "bytes_by_kind", "bench"]
+           "hlo_collectives", "bytes_by_kind", "bench", "RankBroadcast", "RankSumReduce",
+           "RankAllGather", "RankReduceScatter", "RANK_MOVEMENTS", "rank_dot_product_worker"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -621,3 +624,97 @@ def bench(device: torch.device, quick: bool) -> list:
                         detail=f"batch {bt}, widths {w}: HLO {bytes_by_kind(ops)}, "
                                f"predicted {predicted}"))
     return rows
+
+
+# ---------------------------------------------------------------------------------------
+# The same adjoint pairs on real ranks (worker-side). Each map acts on the tuple of all
+# ranks' tensors; a rank whose input the map ignores gets a zero gradient.
+
+class RankBroadcast(torch.autograd.Function):
+    """Rank 0's tensor to every rank; backward: the gradients summed onto rank 0."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        out = x.detach().clone()
+        tdist.broadcast(out, 0)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        tdist.reduce(grad, 0)
+        return grad if tdist.get_rank() == 0 else torch.zeros_like(grad)
+
+
+class RankSumReduce(torch.autograd.Function):
+    """The ranks' tensors summed onto rank 0 (zeros elsewhere); backward: a broadcast."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        out = x.detach().clone()
+        tdist.reduce(out, 0)
+        return out if tdist.get_rank() == 0 else torch.zeros_like(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        tdist.broadcast(grad, 0)
+        return grad
+
+
+class RankAllGather(torch.autograd.Function):
+    """Every rank's block joined along dim 0 on every rank; backward: a reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(tdist.get_world_size())]
+        tdist.all_gather(parts, x.detach().contiguous())
+        return torch.cat(parts, 0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        chunks = [c.contiguous() for c in grad.chunk(tdist.get_world_size(), 0)]
+        out = torch.empty_like(chunks[0])
+        tdist.reduce_scatter(out, chunks)
+        return out
+
+
+class RankReduceScatter(torch.autograd.Function):
+    """Block ``rank`` (along dim 0) of the sum over ranks; backward: an all-gather."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        chunks = [c.contiguous() for c in x.detach().chunk(tdist.get_world_size(), 0)]
+        out = torch.empty_like(chunks[0])
+        tdist.reduce_scatter(out, chunks)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(grad) for _ in range(tdist.get_world_size())]
+        tdist.all_gather(parts, grad.contiguous())
+        return torch.cat(parts, 0)
+
+
+RANK_MOVEMENTS = {"broadcast": RankBroadcast, "sum_reduce": RankSumReduce,
+                  "all_gather": RankAllGather, "reduce_scatter": RankReduceScatter}
+"""The real-rank movements: name -> autograd function (worker-side)."""
+
+
+def rank_dot_product_worker(rank: int, world_size: int, rows: int = 2, cols: int = 3,
+                            seed: int = 0) -> dict[str, tuple[float, float]]:
+    """Worker: ``(<F x, y>, <x, F* y>)`` for every :data:`RANK_MOVEMENTS` entry, each inner
+    product summed over ranks, ``F*`` taken as the autograd backward. Rank ``r`` draws its
+    own ``x`` and ``y`` (float64) from a generator seeded by ``seed`` and ``r``."""
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    out = {}
+    for name, fn in RANK_MOVEMENTS.items():
+        x = torch.randn(world_size * rows if name == "reduce_scatter" else rows, cols,
+                        generator=g, dtype=torch.float64, requires_grad=True)
+        fx = fn.apply(x)
+        y = torch.randn(fx.shape, generator=g, dtype=torch.float64)
+        (adj,) = torch.autograd.grad(fx, x, grad_outputs=y)
+        sides = torch.stack([(fx.detach() * y).sum(), (x.detach() * adj).sum()])
+        tdist.all_reduce(sides)
+        out[name] = (sides[0].item(), sides[1].item())
+    return out

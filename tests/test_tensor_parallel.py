@@ -144,3 +144,16 @@ def test_predicted_bytes_equal_the_collectives_xla_inserts_on_8_devices():
         predicted = tp.bytes_by_kind(tp.plan_collectives(plan, batch, widths, 8))
         assert tp.bytes_by_kind(ops) == predicted, plan
         assert predicted  # every one of these plans communicates
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_real_rank_movements_pass_the_dot_product_test(world_size):
+    from parlearn import dist
+
+    res = dist.run(tp.rank_dot_product_worker, world_size, args=(2, 3, 0), backend="gloo",
+                   timeout=T, deadline=4 * T)
+    assert set(res[0]) == set(tp.RANK_MOVEMENTS)
+    for name, (lhs, rhs) in res[0].items():
+        assert abs(lhs - rhs) <= 1e-12 * max(1.0, abs(lhs)), name
+        assert abs(lhs) > 1e-3, name
+    assert all(r == res[0] for r in res)  # the sums over ranks agree everywhere
