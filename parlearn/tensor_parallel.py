@@ -37,14 +37,15 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
 
-from .checks import check_choice, check_int, check_module, check_seed
+from .checks import check_choice, check_float, check_int, check_module, check_seed
 
 __all__ = ["CopyToRanks", "SumOverRanks", "ColumnParallelLinear", "RowParallelLinear",
            "MegatronMLP", "serial_mlp", "megatron_worker", "megatron_check",
            "MOVEMENTS", "movement", "dot_product_test", "CUTS", "plan_collectives",
            "plan_cost", "best_one_cut", "brute_force_cut", "recursive_plan",
            "hlo_collectives", "bytes_by_kind", "bench", "RankBroadcast", "RankSumReduce",
-           "RankAllGather", "RankReduceScatter", "RANK_MOVEMENTS", "rank_dot_product_worker"]
+           "RankAllGather", "RankReduceScatter", "RANK_MOVEMENTS", "rank_dot_product_worker",
+           "two_level_plan"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -718,3 +719,78 @@ def rank_dot_product_worker(rank: int, world_size: int, rows: int = 2, cols: int
         tdist.all_reduce(sides)
         out[name] = (sides[0].item(), sides[1].item())
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# An Alpa-style two-level plan on the cost model: pipeline stages x sharding inside each.
+
+def _stage_time(batch: int, widths: Sequence[int], i: int, j: int, group: int, last: bool,
+                flops_per_s: float, bytes_per_s: float, itemsize: int) -> tuple[float, list]:
+    """Modeled seconds one microbatch of ``batch`` rows spends in stage ``[i, j)`` on
+    ``group`` devices (compute, its intra-stage collectives, and sending its activation
+    forward and receiving that gradient back), and the stage's cuts."""
+    from .dist_model import ring_bytes
+
+    flops = 6.0 * batch * sum(widths[k] * widths[k + 1] for k in range(i, j))
+    if group > 1:
+        cuts, _ = best_one_cut(batch, widths[i:j + 1], group, itemsize)
+        comm = sum(ring_bytes(k, n, group) for *_, k, n in
+                   plan_collectives(cuts, batch, widths[i:j + 1], group, itemsize))
+    else:
+        cuts, comm = ["whole"] * (j - i), 0.0  # one device holds each layer
+    p2p = 0.0 if last else 2.0 * batch * widths[j] * itemsize
+    return flops / group / flops_per_s + (comm + p2p) / bytes_per_s, cuts
+
+
+def two_level_plan(batch: int, widths: Sequence[int], devices: int, microbatches: int,
+                   flops_per_s: float, bytes_per_s: float, itemsize: int = 4) -> dict:
+    """The plan minimising modeled step time ``(m + S - 1) * max_s t_s`` (GPipe's schedule
+    with ``m`` microbatches over ``S`` stages) for ``devices`` devices: ``S`` divides
+    ``devices``, each stage is a contiguous run of layers on ``devices / S`` devices, and
+    each stage's layers take the communication-optimal one cut (:func:`best_one_cut`) over
+    its devices. The inner problem (contiguous split minimising the slowest stage) is a
+    dynamic program over (stages, layers); the outer one tries every ``S``. Data
+    parallelism (``S = 1``, all cuts batch), tensor parallelism (``S = 1``, column/row) and
+    a pure pipeline (one device per stage) are all points of this space.
+
+    A simplified reconstruction of Alpa's two levels (Alpa solves the inner level by an
+    ILP over a richer sharding space and profiles stages): here times are modeled from
+    flops and bytes only, every collective is paid per microbatch (weight gradients are
+    synchronised as each microbatch produces them, as DDP does without ``no_sync``), and
+    no memory limit is imposed. Returns ``{"step_s", "stages" ([start, end) per stage),
+    "group", "cuts" (per stage; ``"whole"`` on one device), "stage_s"}``."""
+    widths = [check_int("widths", w, lo=1) for w in widths]
+    batch = check_int("batch", batch, lo=1)
+    devices = check_int("devices", devices, lo=1)
+    m = check_int("microbatches", microbatches, lo=1)
+    flops_per_s = check_float("flops_per_s", flops_per_s, lo=0, lo_open=True)
+    bytes_per_s = check_float("bytes_per_s", bytes_per_s, lo=0, lo_open=True)
+    if batch % m:
+        raise ValueError(f"batch {batch} must be divisible by microbatches={m}")
+    layers, mb = len(widths) - 1, batch // m
+    best = None
+    for stages in range(1, min(layers, devices) + 1):
+        if devices % stages:
+            continue
+        group = devices // stages
+        if group > 1 and mb % group:
+            continue  # a batch cut could not split the microbatch evenly
+        t = {(i, j): _stage_time(mb, widths, i, j, group, j == layers, flops_per_s,
+                                 bytes_per_s, itemsize)
+             for i in range(layers) for j in range(i + 1, layers + 1)}
+        # dp[s][j]: the smallest slowest-stage time covering layers [0, j) with s stages.
+        dp = [{0: (0.0, [])}] + [{} for _ in range(stages)]
+        for s in range(1, stages + 1):
+            for j in range(s, layers - (stages - s) + 1):
+                dp[s][j] = min(((max(dp[s - 1][i][0], t[i, j][0]), dp[s - 1][i][1] + [(i, j)])
+                                for i in range(s - 1, j) if i in dp[s - 1]),
+                               key=lambda v: v[0])
+        slowest, parts = dp[stages][layers]
+        step = (m + stages - 1) * slowest
+        if best is None or step < best["step_s"]:
+            best = {"step_s": step, "stages": parts, "group": group,
+                    "cuts": [t[p][1] for p in parts], "stage_s": [t[p][0] for p in parts]}
+    if best is None:
+        raise ValueError(f"no plan: the microbatch ({mb} rows) splits evenly over none of "
+                         f"the device groups that divide devices={devices}")
+    return best

@@ -7,6 +7,8 @@ timeout and a deadline), so a hang cannot stall the suite.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -157,3 +159,48 @@ def test_real_rank_movements_pass_the_dot_product_test(world_size):
         assert abs(lhs - rhs) <= 1e-12 * max(1.0, abs(lhs)), name
         assert abs(lhs) > 1e-3, name
     assert all(r == res[0] for r in res)  # the sums over ranks agree everywhere
+
+
+# ---- the two-level plan --------------------------------------------------------------
+
+def _brute_two_level(batch, widths, devices, m, flops, bw):
+    import itertools
+
+    layers, mb, best = len(widths) - 1, batch // m, math.inf
+    for stages in range(1, min(layers, devices) + 1):
+        group = devices // stages
+        if devices % stages or (group > 1 and mb % group):
+            continue
+        for cut_points in itertools.combinations(range(1, layers), stages - 1):
+            bounds = [0, *cut_points, layers]
+            slowest = max(tp._stage_time(mb, widths, i, j, group, j == layers, flops, bw, 4)[0]
+                          for i, j in itertools.pairwise(bounds))
+            best = min(best, (m + stages - 1) * slowest)
+    return best
+
+
+def test_two_level_plan_is_optimal_against_brute_force():
+    g = torch.Generator().manual_seed(11)
+    for _ in range(25):
+        layers = int(torch.randint(1, 6, (1,), generator=g))
+        widths = [64 * int(w) for w in torch.randint(1, 17, (layers + 1,), generator=g)]
+        devices = [1, 2, 4, 8][int(torch.randint(0, 4, (1,), generator=g))]
+        m = [1, 2, 4][int(torch.randint(0, 3, (1,), generator=g))]
+        bw = [1e9, 5e10, 5e11][int(torch.randint(0, 3, (1,), generator=g))]
+        plan = tp.two_level_plan(64, widths, devices, m, 1e14, bw)
+        assert plan["step_s"] == pytest.approx(_brute_two_level(64, widths, devices, m, 1e14, bw),
+                                               rel=1e-12)
+        assert [s for s, _ in plan["stages"]][0] == 0 and plan["stages"][-1][1] == layers
+        m_stages = len(plan["stages"])
+        assert plan["step_s"] == pytest.approx((m + m_stages - 1) * max(plan["stage_s"]))
+
+
+def test_two_level_plan_corners():
+    widths = [256, 256, 256, 256]
+    one = tp.two_level_plan(32, widths, 1, 1, 1e12, 1e9)
+    assert one["step_s"] == pytest.approx(6 * 32 * 3 * 256 * 256 / 1e12)  # serial compute
+    # Slow network, tiny layers, big batch: data parallelism on every device.
+    dp = tp.two_level_plan(4096, [16, 16, 16], 4, 1, 1e12, 1e9)
+    assert dp["group"] == 4 and dp["cuts"] == [["batch", "batch"]]
+    with pytest.raises(ValueError, match="microbatches"):
+        tp.two_level_plan(30, widths, 2, 4, 1e12, 1e9)
