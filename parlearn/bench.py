@@ -54,6 +54,8 @@ BENCHES: dict[str, tuple[str, str]] = {
                  "ZeRO 1-3 on 2 gloo ranks: bytes per rank measured vs modeled; step vs plain DP"),
     "pipeline": ("parlearn.pipeline",
                  "1F1B bubble measured vs (P-1)/(M+P-1); balanced vs equal split"),
+    "tensor_parallel": ("parlearn.tensor_parallel",
+                        "Megatron block and planned tilings: counted vs modeled comm bytes"),
     # Part 2: breaking backprop's serial chain
     "leapfrog": ("parlearn.leapfrog",
                  "backward schedules on a deep narrow MLP: leapfrog/segments vs serial"),
