@@ -35,6 +35,8 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-sync"]
 RUN_ALL_TIMEOUT_S = 600
 REDRAW_TIMEOUT_S = 180
+# Kernel idle, cells still pending, nothing changing for this long: a lost message.
+STALL_S = 90
 
 
 def _free_port() -> int:
@@ -137,15 +139,73 @@ _STATE_JS = """() => {
 }"""
 
 
-def _wait(page, predicate, timeout_s: float, what: str):
+class Stalled(AssertionError):
+    """Run All stopped making progress while the kernel sat idle (a lost message)."""
+
+
+def _wait(page, predicate, timeout_s: float, what: str, *, stall_s: float | None = None):
     deadline = time.monotonic() + timeout_s
+    last, since = None, time.monotonic()
     while True:
         state = page.evaluate(_STATE_JS)
         if state is not None and predicate(state):
             return state
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        sig = None if state is None else (state["started"], state["pending"], state["widgets"])
+        if sig != last:
+            last, since = sig, now
+        elif (stall_s is not None and state["kernel"] == "idle" and state["pending"]
+              and now - since > stall_s):
+            raise Stalled(f"no progress for {stall_s:.0f} s with the kernel idle while "
+                          f"waiting for {what}: {state}")
+        if now > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}: {state}")
         time.sleep(1.0)
+
+
+def _shutdown_kernels(base: str, token: str) -> None:
+    """Stop every kernel the server runs, so lessons do not pile up in memory."""
+    with urllib.request.urlopen(f"{base}/api/sessions?token={token}", timeout=30) as r:
+        sessions = json.load(r)
+    for sess in sessions:
+        req = urllib.request.Request(f"{base}/api/sessions/{sess['id']}?token={token}",
+                                     method="DELETE")
+        urllib.request.urlopen(req, timeout=30).close()
+
+
+def _open_and_run_all(browser, base: str, token: str, path: Path):
+    """Open the lesson on a fresh kernel, Run All, and return (page, state, seconds)."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        page.goto(f"{base}/lab/tree/{path.name}?token={token}", timeout=120_000)
+        _wait(page, lambda s: s["ready"] and s["kernel"] == "idle", 180, "the kernel to start")
+        started = time.monotonic()
+        for attempt in range(2):
+            # A Run All issued while the kernel connection settles can be dropped: re-issue
+            # it once if no cell has started within a minute.
+            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells');"
+                          " }")
+            try:
+                _wait(page, lambda s: s["started"] > 0 or s["errors"], 60, "a first cell")
+                break
+            except AssertionError:
+                if attempt:
+                    raise
+        state = _wait(page, lambda s: s["errors"] or (s["kernel"] == "idle"
+                                                    and s["pending"] == 0),
+                      RUN_ALL_TIMEOUT_S, "Run All to finish", stall_s=STALL_S)
+        return page, state, time.monotonic() - started
+    except BaseException:
+        _screenshot(page, path)
+        page.close()
+        raise
+
+
+def _screenshot(page, path: Path) -> None:
+    if os.environ.get("PARLEARN_BROWSER_ARTIFACTS"):
+        out = Path(os.environ["PARLEARN_BROWSER_ARTIFACTS"])
+        out.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(out / f"{path.stem}.png"), full_page=True)
 
 
 def _move_one_control(dash) -> str:
@@ -178,26 +238,16 @@ def _move_one_control(dash) -> str:
 @pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
 def test_lesson_in_browser(lab, path):
     browser, base, token = lab
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
     try:
-        page.goto(f"{base}/lab/tree/{path.name}?token={token}", timeout=120_000)
-        _wait(page, lambda s: s["ready"] and s["kernel"] == "idle", 180, "the kernel to start")
-        started = time.monotonic()
-        for attempt in range(2):
-            # A Run All issued while the kernel connection settles can be dropped: re-issue
-            # it once if no cell has started within a minute.
-            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells');"
-                          " }")
-            try:
-                _wait(page, lambda s: s["started"] > 0 or s["errors"], 60, "a first cell")
-                break
-            except AssertionError:
-                if attempt:
-                    raise
-        state = _wait(page, lambda s: s["errors"] or (s["kernel"] == "idle"
-                                                    and s["pending"] == 0),
-                      RUN_ALL_TIMEOUT_S, "Run All to finish")
-        run_all_s = time.monotonic() - started
+        page, state, run_all_s = _open_and_run_all(browser, base, token, path)
+    except Stalled as stall:
+        # Seen once in ten lessons in CI (lesson 12, which passes alone): the kernel idle,
+        # JupyterLab still waiting for a reply. Say so, and try once more on a fresh kernel;
+        # a lesson that stalls twice fails.
+        print(f"{path.name}: STALLED, retrying on a fresh kernel: {stall}")
+        _shutdown_kernels(base, token)
+        page, state, run_all_s = _open_and_run_all(browser, base, token, path)
+    try:
         assert not state["errors"], f"{path.name}: error output: {state['errors']}"
         assert not state["stderr"], f"{path.name}: stderr: {state['stderr']}"
         assert page.get_by_text("Error displaying widget").count() == 0
@@ -233,10 +283,8 @@ def test_lesson_in_browser(lab, path):
         slowest = f", slowest redraw {max(redraw_s):.1f} s" if redraw_s else ""
         print(f"{path.name}: Run All {run_all_s:.0f} s (FAST), {n} dashboard(s) redrawn{slowest}")
     except BaseException:
-        if os.environ.get("PARLEARN_BROWSER_ARTIFACTS"):
-            out = Path(os.environ["PARLEARN_BROWSER_ARTIFACTS"])
-            out.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=str(out / f"{path.stem}.png"), full_page=True)
+        _screenshot(page, path)
         raise
     finally:
         page.close()
+        _shutdown_kernels(base, token)
