@@ -445,6 +445,13 @@ def _resolve(spec: str) -> Callable:
     return check_callable("worker", obj)
 
 
+def _report(rank: int, value: Any) -> None:
+    # One write call per line: torchrun's ranks share one stdout, and print() (two writes when
+    # stdout is unbuffered, e.g. PYTHONUNBUFFERED=1) let two ranks' lines interleave.
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"rank {rank}: {value!r}\n".encode())
+
+
 def main(argv: list[str] | None = None) -> int:
     """Under ``torchrun`` (RANK/WORLD_SIZE/MASTER_ADDR set): join the group and call the
     worker with ``(rank, world_size, *args)``, each arg read as a Python literal; print
@@ -467,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
             extra.append(a)
     if "RANK" not in os.environ:
         for rank, value in enumerate(run(fn, opts.nproc, args=extra, timeout=opts.timeout)):
-            print(f"rank {rank}: {value!r}")
+            _report(rank, value)
         return 0
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
@@ -478,8 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     tdist.init_process_group(backend, timeout=datetime.timedelta(seconds=opts.timeout),
                              device_id=device)
     try:
-        value = fn(rank, world_size, *extra)
-        print(f"rank {rank}: {value!r}", flush=True)
+        _report(rank, fn(rank, world_size, *extra))
     finally:
         tdist.destroy_process_group()
     return 0
