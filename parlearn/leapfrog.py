@@ -331,10 +331,11 @@ class _Pool:
     also after an error.
     """
 
-    def __init__(self, k: int, threads: int | None):
+    def __init__(self, k: int, threads: int | None, device: torch.device | None = None):
         self.tasks: queue.Queue = queue.Queue()
         self.errors: list[BaseException] = []
         self.intra_op = threads
+        self.device = device
         self.threads = [threading.Thread(target=self._loop, args=(f"worker {i}",), daemon=True,
                                          name=f"{WORKER_THREAD_PREFIX}-{i}")
                         for i in range(1, k)]
@@ -359,6 +360,11 @@ class _Pool:
         # torch's intra-op thread count is per thread: each helper sets its own.
         if self.intra_op is not None:
             torch.set_num_threads(self.intra_op)
+        # A new thread has no current CUDA context, and cuBLAS warns and sets one at its first
+        # matmul. Any runtime call that needs a context binds the device's primary context to
+        # this thread (torch.cuda.set_device would not: it is skipped for the current index).
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         while (fn := self.tasks.get()) is not None:
             self._run(fn, lane)
         self.tasks.task_done()
@@ -386,7 +392,7 @@ class _Pool:
 
 
 def _leapfrog_threads(tape: Tape, k: int, per: int | None) -> None:
-    with _Pool(k, per) as pool:
+    with _Pool(k, per, tape.delta_top.device) as pool:
         delta = tape.delta_top
         for l in reversed(range(len(tape.layers))):
             if _has_params(tape.layers[l]):  # parameter-free layers have no weight gradient
@@ -400,14 +406,19 @@ def _leapfrog_streams(tape: Tape, k: int) -> None:
     main = torch.cuda.current_stream()
     streams = [torch.cuda.Stream() for _ in range(k)]
     delta = tape.delta_top
+    # Weight gradients go round-robin over the streams; counting tasks, not layers, so that
+    # parameter-free layers (every other module of an MLP) do not leave streams idle.
+    tasks = 0
     for l in reversed(range(len(tape.layers))):
-        ready = torch.cuda.Event()
-        ready.record(main)
-        s = streams[l % k]
-        s.wait_event(ready)
-        with torch.cuda.stream(s):
-            _wgrad(tape, l, delta, f"stream {l % k}")
-            delta.record_stream(s)
+        if _has_params(tape.layers[l]):  # parameter-free layers have no weight gradient
+            ready = torch.cuda.Event()
+            ready.record(main)
+            s = streams[tasks % k]
+            s.wait_event(ready)
+            with torch.cuda.stream(s):
+                _wgrad(tape, l, delta, f"stream {tasks % k}")
+                delta.record_stream(s)
+            tasks += 1
         if l > 0:
             delta = _chain(tape, l, delta, "chain")
     for s in streams:
@@ -449,7 +460,7 @@ def _segments(tape: Tape, k: int, per: int | None) -> None:
     bounds = _segment_bounds(len(tape.layers), k)
     transfers: dict[int, torch.Tensor] = {}
     tops: dict[int, torch.Tensor] = {len(bounds) - 1: tape.delta_top}
-    with _Pool(len(bounds), per) as pool:
+    with _Pool(len(bounds), per, tape.delta_top.device) as pool:
         # Phase 1, parallel: every segment but the lowest forms its transfer operator.
         for s, (lo, hi) in enumerate(bounds):
             if s > 0:
@@ -675,7 +686,7 @@ def _all_deltas(tape: Tape) -> list[torch.Tensor]:
 
 def _wgrad_term(tape: Tape, deltas: list[torch.Tensor], workers: int, threads: int) -> None:
     """All weight gradients, deltas given, on ``workers`` workers of ``threads`` threads each."""
-    with _threads(threads), _Pool(workers, threads) as pool:
+    with _threads(threads), _Pool(workers, threads, tape.delta_top.device) as pool:
         for l in range(len(tape.layers)):
             if _has_params(tape.layers[l]):
                 pool.submit(partial(_wgrad, tape, l, deltas[l]))

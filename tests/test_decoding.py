@@ -145,7 +145,7 @@ def test_overlap_top_k_equals_dense(any_device, V, support, top_k):
     dense = D.overlap_coupling_dense(p, masked)
     sparse = D.overlap_coupling(p, masked, top_k=top_k)
     torch.testing.assert_close(sparse, dense, atol=1e-9, rtol=0)
-    assert sparse[0, 0, 1] == pytest.approx(1.0, abs=1e-9)
+    assert sparse[0, 0, 1].item() == pytest.approx(1.0, abs=1e-9)
     torch.testing.assert_close(sparse, sparse.transpose(1, 2), atol=1e-12, rtol=0)
 
 
@@ -427,3 +427,14 @@ def test_bad_coupling_output_refused():
     with pytest.raises(ValueError, match="non-negative"):
         _decode("mean_field", batch=2,
                 coupling=lambda p, m: -torch.ones(p.shape[0], p.shape[1], p.shape[1]))
+
+
+def test_denoiser_output_on_another_device_refused():
+    # A plain callable has no parameters to take a device from, so decode puts the tokens on
+    # the CPU; a denoiser answering on another device must be told to pass device= (seen
+    # on a GPU: the bench's exact denoiser answered on cuda and decode failed deep inside).
+    def elsewhere(t):
+        return torch.full((*t.shape, LANG.mask_id), 1.0 / LANG.mask_id, device="meta")
+
+    with pytest.raises(ValueError, match="pass device="):
+        D.decode(elsewhere, length=16, batch=2, mask_id=LANG.mask_id)
