@@ -736,7 +736,8 @@ def bench(device: torch.device, quick: bool) -> list:
     the cost model (``ratio`` = counted bytes / modeled bytes; 1.0 is agreement). Bytes do
     not depend on the device, so every row runs on the CPU whatever ``device`` is (the
     rows name where they ran): the Megatron block on 2 gloo ranks (payloads from
-    :func:`parlearn.dist.ledger`, forward plus backward), and the plan
+    :func:`parlearn.dist.ledger`, forward plus backward), the spatially split convolution
+    on 3 gloo ranks against the planner's spatial cut (:class:`Conv`), and the plan
     :func:`best_one_cut` picks for two networks on a JAX mesh of 8 fake CPU devices
     (payloads from the compiled HLO). No times are claimed."""
     from .bench import Row
@@ -755,6 +756,23 @@ def bench(device: torch.device, quick: bool) -> list:
                     detail=f"float64 batch {b}, d {d}, hidden {h}: counted {counted} B, "
                            f"modeled {modeled} B; max error vs unsharded "
                            f"{max(res['scratch'], res['dtensor']):.1e}"))
+    # The spatial cut on 3 ranks: rank 1 has two neighbours. The ledger counts what a rank
+    # sends plus what it receives point to point; the planner ignores biases, so the bias
+    # all-reduce is added to its figure.
+    b, ci, co, n, k = (2, 3, 4, 12, 5) if quick else (8, 16, 32, 96, 5)
+    res = halo_conv_check(3, batch=b, c_in=ci, c_out=co, length=n, kernel=k)
+    led = res["ledger"][1]
+    counted = (led["forward"]["batch_isend_irecv"][1] + led["backward"]["batch_isend_irecv"][1]
+               ) // 2 + led["backward"]["all_reduce"][1]
+    modeled = sum(x for *_, x in Conv(ci, co, n, k).collectives(
+        "spatial", (b, ci, co, n // 3), 8, True, 3)) + co * 8
+    rows.append(Row("tensor_parallel", "planner's spatial cut: 2 halos each way + |W| (+|b|)",
+                    "conv split along positions (halo exchange), ledger bytes",
+                    counted / modeled, "cpu (gloo, 3 ranks)",
+                    target="counted = modeled", met=counted == modeled,
+                    detail=f"float64 batch {b}, channels {ci}->{co}, length {n}, kernel {k}, "
+                           f"rank 1: counted {counted} B of payload (halo sends + all-reduce), modeled {modeled} B; max error vs "
+                           f"unsharded {max(res[q] for q in ('y', 'dx', 'dw', 'db')):.1e}"))
     nets = {"wide layers, small batch": (8, [256, 1024, 256]),
             "narrow layers, large batch": (512, [32, 64, 32])}
     plans = {name: best_one_cut(bt, w, 8)[0] for name, (bt, w) in nets.items()}
