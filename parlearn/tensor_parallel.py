@@ -771,8 +771,9 @@ def bench(device: torch.device, quick: bool) -> list:
                     counted / modeled, "cpu (gloo, 3 ranks)",
                     target="counted = modeled", met=counted == modeled,
                     detail=f"float64 batch {b}, channels {ci}->{co}, length {n}, kernel {k}, "
-                           f"rank 1: counted {counted} B of payload (halo sends + all-reduce), modeled {modeled} B; max error vs "
-                           f"unsharded {max(res[q] for q in ('y', 'dx', 'dw', 'db')):.1e}"))
+                           f"rank 1: counted {counted} B of payload (halo sends + "
+                           f"all-reduce), modeled {modeled} B; max error vs unsharded "
+                           f"{max(res[q] for q in ('y', 'dx', 'dw', 'db')):.1e}"))
     nets = {"wide layers, small batch": (8, [256, 1024, 256]),
             "narrow layers, large batch": (512, [32, 64, 32])}
     plans = {name: best_one_cut(bt, w, 8)[0] for name, (bt, w) in nets.items()}
