@@ -69,7 +69,8 @@ from .tp_plan import (
 __all__ = ["CopyToRanks", "SumOverRanks", "ColumnParallelLinear", "RowParallelLinear",
            "MegatronMLP", "serial_mlp", "megatron_worker", "megatron_check",
            "MOVEMENTS", "movement", "dot_product_test", "movement_matrix",
-           "RankBroadcast", "RankSumReduce", "RankAllGather", "RankReduceScatter",
+           "RankBroadcast", "RankSumReduce", "RankScatter", "RankGather", "RankAllGather",
+           "RankReduceScatter",
            "RankHaloExchange", "RankRepartition", "RANK_MOVEMENTS", "rank_dot_product_worker",
            "SpatialConv1d", "serial_conv", "halo_conv_worker", "halo_conv_check", "bench",
            # re-exported from parlearn.tp_plan
@@ -501,6 +502,49 @@ class RankReduceScatter(torch.autograd.Function):
         return torch.cat(parts, 0)
 
 
+def _gather0(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's block joined along dim 0 on rank 0; zeros of that shape elsewhere."""
+    p, rank = tdist.get_world_size(), tdist.get_rank()
+    parts = [torch.empty_like(x) for _ in range(p)] if rank == 0 else None
+    tdist.gather(x.contiguous(), parts, dst=0)
+    return torch.cat(parts, 0) if rank == 0 else x.new_zeros(p * x.shape[0], *x.shape[1:])
+
+
+def _scatter0(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's tensor cut into blocks along dim 0, block ``r`` to rank ``r``."""
+    p, rank = tdist.get_world_size(), tdist.get_rank()
+    chunks = [c.contiguous() for c in x.chunk(p, 0)]
+    out = torch.empty_like(chunks[0])
+    tdist.scatter(out, chunks if rank == 0 else None, src=0)
+    return out
+
+
+class RankScatter(torch.autograd.Function):
+    """Rank 0's tensor cut into blocks along dim 0, block ``r`` to rank ``r`` (the other
+    ranks' inputs are ignored); backward: a gather onto rank 0 (zeros elsewhere)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return _scatter0(x.detach())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return _gather0(grad)
+
+
+class RankGather(torch.autograd.Function):
+    """Every rank's block joined along dim 0 on rank 0 (zeros elsewhere); backward: a
+    scatter of rank 0's gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return _gather0(x.detach())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return _scatter0(grad)
+
+
 def _exchange(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
     """Point-to-point: send ``sends[peer]`` to each peer and receive ``recvs[peer]`` from
     each, all posted at once (no ordering can deadlock)."""
@@ -588,6 +632,8 @@ class RankRepartition(torch.autograd.Function):
 RANK_MOVEMENTS: dict[str, tuple[Callable, Callable]] = {
     "broadcast": (RankBroadcast.apply, lambda p, r, c: (r, c)),
     "sum_reduce": (RankSumReduce.apply, lambda p, r, c: (r, c)),
+    "scatter": (RankScatter.apply, lambda p, r, c: (p * r, c)),
+    "gather": (RankGather.apply, lambda p, r, c: (r, c)),
     "all_gather": (RankAllGather.apply, lambda p, r, c: (r, c)),
     "reduce_scatter": (RankReduceScatter.apply, lambda p, r, c: (p * r, c)),
     "halo_exchange": (lambda x: RankHaloExchange.apply(x, 2), lambda p, r, c: (r, c)),

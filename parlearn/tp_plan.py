@@ -111,6 +111,8 @@ class Dense:
     @staticmethod
     def collectives(cut: str, dims: Sequence[int], itemsize: int, need_dx: bool,
                     groups: int) -> list[tuple[str, str, int]]:
+        """``(phase, kind, payload bytes)`` of the layer's own collectives under ``cut`` on
+        local ``dims`` over ``groups`` groups; ``need_dx``: its input's gradient is used."""
         b, di, do = dims
         x, w, y = b * di * itemsize, di * do * itemsize, b * do * itemsize
         if cut == "batch":
@@ -153,6 +155,7 @@ class Conv:
 
     def collectives(self, cut: str, dims: Sequence[int], itemsize: int, need_dx: bool,
                     groups: int) -> list[tuple[str, str, int]]:
+        """As :meth:`Dense.collectives`; a halo is a ``send`` (per group, worst case)."""
         b, ci, co, n = dims
         x, w, y = b * ci * n * itemsize, ci * co * self.kernel * itemsize, b * co * n * itemsize
         if cut == "batch":

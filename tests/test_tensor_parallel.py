@@ -98,7 +98,10 @@ def test_real_rank_movements_pass_the_dot_product_test(world_size):
         assert abs(lhs) > 1e-3, name
         assert all(r[name] == res[0][name] for r in res)  # the sums over ranks agree
     # The forward values equal the one-process movements on the same pieces.
-    serial = {"all_gather": tp.MOVEMENTS["all_gather"][0],
+    serial = {"scatter": lambda x, p: tp.MOVEMENTS["scatter"][0](x[:1], p),
+              "gather": lambda x, p: [*tp.MOVEMENTS["gather"][0](x, p),
+                                      *[torch.zeros(p * 2, 4, dtype=torch.float64)] * (p - 1)],
+              "all_gather": tp.MOVEMENTS["all_gather"][0],
               "reduce_scatter": tp.MOVEMENTS["reduce_scatter"][0],
               "rows_to_cols": tp.MOVEMENTS["rows_to_cols"][0],
               "cols_to_rows": tp.MOVEMENTS["cols_to_rows"][0],
