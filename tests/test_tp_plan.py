@@ -79,18 +79,16 @@ def test_predicted_bytes_equal_the_collectives_xla_inserts_on_8_devices():
 
 # ---- the two-level plan --------------------------------------------------------------
 
-def _brute_two_level(batch, widths, devices, m, flops, bw):
-    import itertools
-
-    layers, mb, best = len(widths) - 1, batch // m, math.inf
+def _brute_two_level(batch, net, devices, m, flops, bw):
+    net = plan.network(net)
+    layers, mb, best = len(net), batch // m, math.inf
     for stages in range(1, min(layers, devices) + 1):
         group = devices // stages
         if devices % stages or (group > 1 and mb % group):
             continue
         for cut_points in itertools.combinations(range(1, layers), stages - 1):
             bounds = [0, *cut_points, layers]
-            slowest = max(plan._stage_time(mb, plan.network(widths), i, j, group, j == layers,
-                                           flops, bw, 4)[0]
+            slowest = max(plan._stage_time(mb, net, i, j, group, j == layers, flops, bw, 4)[0]
                           for i, j in itertools.pairwise(bounds))
             best = min(best, (m + stages - 1) * slowest)
     return best
@@ -184,9 +182,11 @@ def test_long_inputs_one_sample_cut_along_positions_else_along_the_batch():
 
 
 def test_two_level_plan_takes_conv_layers():
-    res = plan.two_level_plan(64, CNN, 8, 2, 1e14, 1e10)
-    assert res["stages"][0][0] == 0 and res["stages"][-1][1] == len(CNN)
-    assert res["step_s"] == pytest.approx((2 + len(res["stages"]) - 1) * max(res["stage_s"]))
+    for bw in (1e9, 1e11, 1e13):
+        res = plan.two_level_plan(64, CNN, 8, 2, 1e14, bw)
+        assert res["step_s"] == pytest.approx(_brute_two_level(64, CNN, 8, 2, 1e14, bw),
+                                              rel=1e-12)
+        assert res["step_s"] == pytest.approx((2 + len(res["stages"]) - 1) * max(res["stage_s"]))
 
 
 # ---- 2^k devices: SoyBean's recursion against the joint optimum -----------------------
