@@ -30,8 +30,8 @@ two levels costs two all-reduces of ``|W|``, as a hierarchical all-reduce would)
 program over each layer's sequence of cuts; serial reference :func:`brute_force_joint`).
 In this model the greedy recursion is **not** always optimal: it never beats the joint
 optimum (it is one of the plans the joint search considers) and it can be worse (the
-lesson shows a case); SoyBean's proof that the recursion is optimal rests on its own cost
-formulation, which we did not reproduce.
+lesson shows a case). SoyBean presents its recursion as optimal under its own cost
+formulation, which we did not reproduce; the claim does not carry over to this model.
 
 SplitBrain (2021) trains convolutions data-parallel and the fully-connected layers
 model-parallel. Here that hybrid (every :class:`Conv` ``batch``, every :class:`Dense`
