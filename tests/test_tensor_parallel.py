@@ -176,6 +176,8 @@ def test_serial_conv_leaves_the_global_rng_alone():
     (lambda: tp.halo_conv_check(2, length=7), ValueError, "length"),
     (lambda: tp.halo_conv_check(4, length=4, kernel=5), ValueError, "length"),
     (lambda: tp.movement_matrix("teleport", 2), ValueError, "name"),
+    (lambda: tp.RankHaloExchange.apply(torch.ones(2, 3), 4), ValueError, "halo"),
+    (lambda: tp.RankHaloExchange.apply(torch.ones(2, 3), 0), ValueError, "halo"),
     (lambda: tp.movement_matrix("halo_exchange", 0), ValueError, "p"),
 ])
 def test_bad_calls_fail_fast(call, error, match):
