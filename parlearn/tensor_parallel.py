@@ -20,12 +20,20 @@ unsharded ``nn.Linear`` (so the serial reference is that layer), and
 DistDL (Hewett & Grady 2020) views every data movement of model parallelism as a linear
 operator ``F`` whose backward is its adjoint ``F*``: broadcast and sum-reduce are adjoint,
 scatter and gather are adjoint, all-gather and reduce-scatter are adjoint, all-reduce is
-self-adjoint. Here the movements act on a *list of per-rank tensors* in one process
-(:data:`MOVEMENTS`), each wrapped in an autograd function whose backward calls the
-hand-written adjoint; :func:`dot_product_test` checks ``<F x, y> = <x, F* y>``. Four of
-them also exist on real ranks (:data:`RANK_MOVEMENTS`, checked by
-:func:`rank_dot_product_worker`). This is
-our reconstruction from the paper's abstract and public descriptions, not DistDL's code.
+self-adjoint, a halo exchange's adjoint adds the halo gradients back onto the cells they
+were copied from, and a transpose of the partition (split along one dim -> split along
+another, an all-to-all) has the reverse transpose as adjoint. Here the movements act on a
+*list of per-rank tensors* in one process (:data:`MOVEMENTS`), each wrapped in an autograd
+function whose backward calls the hand-written adjoint; :func:`dot_product_test` checks
+``<F x, y> = <x, F* y>`` and :func:`movement_matrix` compares the matrices of ``F`` and of
+the backward. The same movements exist on real ranks (:data:`RANK_MOVEMENTS`, checked by
+:func:`rank_dot_product_worker`), and :class:`SpatialConv1d` uses the halo exchange to
+split a convolution along its positions (:func:`halo_conv_check` compares it with the
+unsharded convolution). This is our reconstruction from the paper's abstract and public
+descriptions, not DistDL's code.
+
+The planners (SoyBean's tiling search, its recursion, SplitBrain's hybrid, Alpa's two
+levels) live in :mod:`parlearn.tp_plan` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -37,15 +45,39 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
 
-from .checks import check_choice, check_float, check_int, check_module, check_seed
+from .checks import check_choice, check_int, check_module, check_seed
+from .tp_plan import (
+    CONV_CUTS,
+    CUTS,
+    Conv,
+    Dense,
+    best_one_cut,
+    brute_force_cut,
+    brute_force_joint,
+    bytes_by_kind,
+    hlo_collectives,
+    is_splitbrain,
+    joint_plan,
+    network,
+    plan_collectives,
+    plan_cost,
+    plan_levels_cost,
+    recursive_plan,
+    two_level_plan,
+)
 
 __all__ = ["CopyToRanks", "SumOverRanks", "ColumnParallelLinear", "RowParallelLinear",
            "MegatronMLP", "serial_mlp", "megatron_worker", "megatron_check",
-           "MOVEMENTS", "movement", "dot_product_test", "CUTS", "plan_collectives",
-           "plan_cost", "best_one_cut", "brute_force_cut", "recursive_plan",
-           "hlo_collectives", "bytes_by_kind", "bench", "RankBroadcast", "RankSumReduce",
-           "RankAllGather", "RankReduceScatter", "RANK_MOVEMENTS", "rank_dot_product_worker",
-           "two_level_plan"]
+           "MOVEMENTS", "movement", "dot_product_test", "movement_matrix",
+           "RankBroadcast", "RankSumReduce", "RankScatter", "RankGather", "RankAllGather",
+           "RankReduceScatter",
+           "RankHaloExchange", "RankRepartition", "RANK_MOVEMENTS", "rank_dot_product_worker",
+           "SpatialConv1d", "serial_conv", "halo_conv_worker", "halo_conv_check", "bench",
+           # re-exported from parlearn.tp_plan
+           "Dense", "Conv", "CUTS", "CONV_CUTS", "network", "plan_collectives", "plan_cost",
+           "best_one_cut", "brute_force_cut", "recursive_plan", "joint_plan",
+           "brute_force_joint", "plan_levels_cost", "is_splitbrain", "hlo_collectives",
+           "bytes_by_kind", "two_level_plan"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -280,6 +312,33 @@ def _cols_to_rows(y: Pieces, p: int) -> Pieces:
     return list(torch.cat(y, 1).chunk(p, 0))
 
 
+def _halo(x: Pieces, p: int, halo: int = 1) -> Pieces:
+    """A 1-D domain split along the last dim: each rank's block padded with ``halo`` cells
+    of each neighbour (zeros past the ends, as a zero-padded convolution sees them)."""
+    out = []
+    for r, t in enumerate(x):
+        zeros = t.new_zeros(*t.shape[:-1], halo)
+        left = x[r - 1][..., -halo:] if r > 0 else zeros
+        right = x[r + 1][..., :halo] if r < len(x) - 1 else zeros
+        out.append(torch.cat([left, t, right], -1))
+    return out
+
+
+def _halo_add(y: Pieces, p: int, halo: int = 1) -> Pieces:
+    """The adjoint of :func:`_halo`: each rank keeps its interior and adds the halo cells
+    its neighbours hold of its own block (their gradients) back onto them; the padding past
+    the ends is dropped."""
+    out = []
+    for r, t in enumerate(y):
+        own = t[..., halo:t.shape[-1] - halo].clone()
+        if r > 0:  # rank r-1's right halo is my first cells
+            own[..., :halo] += y[r - 1][..., -halo:]
+        if r < len(y) - 1:  # rank r+1's left halo is my last cells
+            own[..., -halo:] += y[r + 1][..., :halo]
+        out.append(own)
+    return out
+
+
 # name -> (forward, adjoint, shapes of the input pieces for a block of shape (rows, cols)).
 MOVEMENTS: dict[str, tuple[Callable, Callable, Callable]] = {
     "broadcast": (_broadcast, _sum_reduce, lambda p, r, c: [(r, c)]),
@@ -291,9 +350,12 @@ MOVEMENTS: dict[str, tuple[Callable, Callable, Callable]] = {
     "all_reduce": (_all_reduce, _all_reduce, lambda p, r, c: [(r, c)] * p),
     "rows_to_cols": (_rows_to_cols, _cols_to_rows, lambda p, r, c: [(r, p * c)] * p),
     "cols_to_rows": (_cols_to_rows, _rows_to_cols, lambda p, r, c: [(p * r, c)] * p),
+    "halo_exchange": (_halo, _halo_add, lambda p, r, c: [(r, c)] * p),
+    "halo_add": (_halo_add, _halo, lambda p, r, c: [(r, c + 2)] * p),
 }
 """Every movement: ``(F, F*, shapes)``; ``F(pieces, p)`` and ``F*(pieces, p)`` map a list
-of per-rank tensors to another; ``shapes(p, rows, cols)`` gives valid input shapes."""
+of per-rank tensors to another; ``shapes(p, rows, cols)`` gives valid input shapes. The halo
+movements here use a halo of 1 cell (``_halo`` takes any width)."""
 
 
 class _Movement(torch.autograd.Function):
@@ -344,287 +406,30 @@ def dot_product_test(name: str, p: int, rows: int = 3, cols: int = 2,
     return lhs.item(), rhs.item()
 
 
-# ---------------------------------------------------------------------------------------
-# SoyBean-style tiling search for a chain of matmul layers Y_l = X_l W_l, X_{l+1} = act(Y_l).
-
-CUTS = ("batch", "column", "row")
-"""How one cut splits a layer's matmul ``(B x d_in) @ (d_in x d_out)`` over the groups:
-along the batch (data parallel), along ``d_out`` (W by columns), along ``d_in`` (W by rows,
-partial sums). Replicating an operator's work is not offered: with communication as the
-only cost it would always win, which is why SoyBean splits every operator."""
-
-# The tiling of X a cut needs, and the tiling of Y it leaves: r = rows (batch) split,
-# c = columns split, R = replicated (a row cut all-reduces its partial sums to R).
-_NEEDS = {"batch": "r", "column": "R", "row": "c"}
-_LEAVES = {"batch": "r", "column": "c", "row": "R"}
-
-
-def _layer_collectives(cut: str, batch: int, d_in: int, d_out: int, itemsize: int,
-                       need_dx: bool) -> list[tuple[str, str, int]]:
-    x, w, y = batch * d_in * itemsize, d_in * d_out * itemsize, batch * d_out * itemsize
-    if cut == "batch":
-        return [("backward", "all_reduce", w)]  # dW: every group holds a partial sum
-    if cut == "column":
-        return [("backward", "all_reduce", x)] if need_dx else []  # dX partial sums
-    return [("forward", "all_reduce", y)]  # the partial sums of Y
-
-
-def _conversion(src: str, dst: str, size: int, groups: int) -> list[tuple[str, str, int]]:
-    """Collectives to re-tile an activation of ``size`` bytes from ``src`` to ``dst`` and
-    its gradient back (the adjoint movement): R -> split is a free slice whose adjoint is an
-    all-gather; split -> R an all-gather whose adjoint is a free slice; r <-> c an
-    all-to-all both ways (payload: one group's block, ``size / groups``)."""
-    if src == dst:
-        return []
-    if src == "R":
-        return [("backward", "all_gather", size)]
-    if dst == "R":
-        return [("forward", "all_gather", size)]
-    return [("forward", "all_to_all", size // groups), ("backward", "all_to_all", size // groups)]
-
-
-def plan_collectives(cuts: Sequence[str], batch: int, widths: Sequence[int], groups: int = 2,
-                     itemsize: int = 4) -> list[tuple[int, str, str, int]]:
-    """The collectives one training step of the chain issues under ``cuts`` (one per
-    layer) over ``groups`` groups: ``(layer, phase, kind, payload bytes)``. ``widths`` is
-    ``(d_0, ..., d_L)``; the input's gradient is not needed (it is data), the input arrives
-    in whatever tiling layer 0 needs, the output is left in its layer's tiling."""
-    widths = [check_int("widths", w, lo=1) for w in widths]
-    batch = check_int("batch", batch, lo=1)
-    groups = check_int("groups", groups, lo=2)
-    if len(cuts) != len(widths) - 1:
-        raise ValueError(f"cuts must have one entry per layer ({len(widths) - 1}), "
-                         f"got {len(cuts)}")
-    out = []
-    for layer, cut in enumerate(cuts):
-        check_choice("cuts", cut, CUTS)
-        if layer:
-            size = batch * widths[layer] * itemsize
-            out += [(layer, ph, k, b) for ph, k, b in
-                    _conversion(_LEAVES[cuts[layer - 1]], _NEEDS[cut], size, groups)]
-        out += [(layer, ph, k, b) for ph, k, b in
-                _layer_collectives(cut, batch, widths[layer], widths[layer + 1], itemsize,
-                                   need_dx=layer > 0)]
-    return out
-
-
-def plan_cost(cuts: Sequence[str], batch: int, widths: Sequence[int], groups: int = 2,
-              itemsize: int = 4) -> float:
-    """Bytes each group sends in one step under ``cuts``: the ring bytes
-    (:func:`parlearn.dist_model.ring_bytes`) of every collective of :func:`plan_collectives`."""
-    from .dist_model import ring_bytes
-
-    return float(sum(ring_bytes(k, b, groups) for _, _, k, b in
-                     plan_collectives(cuts, batch, widths, groups, itemsize)))
-
-
-def best_one_cut(batch: int, widths: Sequence[int], groups: int = 2,
-                 itemsize: int = 4) -> tuple[list[str], float]:
-    """The cuts minimising :func:`plan_cost`, by dynamic programming over the chain (the
-    cost is a sum of per-layer terms and terms between consecutive layers, so the best
-    plan ending in cut ``c`` at layer ``l`` extends a best plan ending at layer ``l-1``).
-    Ties go to the earlier cut in :data:`CUTS`. ``O(L * 9)`` cost evaluations."""
-    widths = [check_int("widths", w, lo=1) for w in widths]
-    batch = check_int("batch", batch, lo=1)
-    groups = check_int("groups", groups, lo=2)
-    if len(widths) < 2:
-        raise ValueError("widths needs at least 2 entries (one layer)")
-    shapes = [[batch, widths[i], widths[i + 1]] for i in range(len(widths) - 1)]
-    return _best_local(shapes, itemsize, groups)
-
-
-def brute_force_cut(batch: int, widths: Sequence[int], groups: int = 2,
-                    itemsize: int = 4) -> tuple[list[str], float]:
-    """The serial reference of :func:`best_one_cut`: every one of the ``3^L`` plans."""
-    import itertools
-
-    plans = itertools.product(CUTS, repeat=len(widths) - 1)
-    return min(((list(p), plan_cost(p, batch, widths, groups, itemsize)) for p in plans),
-               key=lambda t: t[1])
-
-
-def recursive_plan(batch: int, widths: Sequence[int], levels: int,
-                   itemsize: int = 4) -> tuple[list[list[str]], float]:
-    """SoyBean's recursion for ``2^levels`` devices: the best one cut over 2 groups, then
-    again inside each half on the layer shapes that cut left, ``levels`` times. Returns the
-    cuts per level and the bytes each device sends (sum over levels). Our reconstruction:
-    here every layer keeps its own local shape (batch, d_in, d_out) and an activation
-    between layers is priced at the size of its consumer's local input; the paper's
-    proof that recursing on one-cut optima is optimal is not reproduced."""
-    levels = check_int("levels", levels, lo=1)
-    widths = [check_int("widths", w, lo=1) for w in widths]
-    shapes = [[batch, widths[i], widths[i + 1]] for i in range(len(widths) - 1)]
-    per_level, total = [], 0.0
-    for _ in range(levels):
-        cuts, cost = _best_local(shapes, itemsize, 2)
-        per_level.append(cuts)
-        total += cost
-        for s, c in zip(shapes, cuts, strict=True):
-            axis = {"batch": 0, "row": 1, "column": 2}[c]
-            if s[axis] % 2:
-                raise ValueError(f"a {c} cut needs an even size, got layer shape {s}")
-            s[axis] //= 2
-    return per_level, total
-
-
-def _best_local(shapes: list[list[int]], itemsize: int,
-                groups: int) -> tuple[list[str], float]:
-    """The DP of :func:`best_one_cut` for layers with their own (batch, d_in, d_out)."""
-    from .dist_model import ring_bytes
-
-    def cost(items):
-        return float(sum(ring_bytes(k, n, groups) for *_, k, n in items))
-
-    b, di, do = shapes[0]
-    best = {c: (cost(_layer_collectives(c, b, di, do, itemsize, False)), [c]) for c in CUTS}
-    for layer in range(1, len(shapes)):
-        b, di, do = shapes[layer]
-        size = b * di * itemsize
-        new = {}
-        for c in CUTS:
-            own = cost(_layer_collectives(c, b, di, do, itemsize, True))
-            new[c] = min(((best[p][0] + cost(_conversion(_LEAVES[p], _NEEDS[c], size, groups))
-                           + own, best[p][1] + [c]) for p in CUTS), key=lambda t: t[0])
-        best = new
-    total, cuts = min(best.values(), key=lambda t: t[0])
-    return cuts, total
-
-
-# ---------------------------------------------------------------------------------------
-# The plan on a JAX mesh: the collectives XLA inserts, read from the compiled HLO.
-
-_HLO_SCRIPT = r'''
-import json, re, sys
-import jax, jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
-plans, batch, widths, devices = json.loads(sys.argv[1])
-mesh = jax.make_mesh((devices,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
-sh = lambda s: NamedSharding(mesh, s)
-x_spec = {"batch": P("d", None), "column": P(None, None), "row": P(None, "d")}
-w_spec = {"batch": P(None, None), "column": P(None, "d"), "row": P("d", None)}
-y_spec = {"batch": P("d", None), "column": P(None, "d"), "row": P(None, None)}
-size = {"f32": 4, "f64": 8, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1}
-
-def collectives(cuts):
-    def chain(ws, x):
-        for i, (w, c) in enumerate(zip(ws, cuts)):
-            x = jax.lax.with_sharding_constraint(x, sh(x_spec[c])) @ w
-            x = jax.lax.with_sharding_constraint(x, sh(y_spec[c]))
-            if i < len(cuts) - 1:
-                x = jnp.tanh(x)
-        return x
-
-    def step(ws, x, g):  # the output (a loss needs it) and the weight gradients
-        y, back = jax.vjp(lambda v: chain(v, x), ws)
-        return y, back(g)[0]
-
-    ws = [jnp.ones((widths[i], widths[i + 1]), jnp.float32) for i in range(len(cuts))]
-    x = jnp.ones((batch, widths[0]), jnp.float32)
-    g = jnp.ones((batch, widths[-1]), jnp.float32)
-    fn = jax.jit(step, in_shardings=([sh(w_spec[c]) for c in cuts], sh(x_spec[cuts[0]]),
-                                     sh(y_spec[cuts[-1]])),
-                 out_shardings=(sh(y_spec[cuts[-1]]), [sh(w_spec[c]) for c in cuts]))
-    ops = []
-    for line in fn.lower(ws, x, g).compile().as_text().splitlines():
-        line = re.sub(r"/\*index=[0-9]+\*/", "", line)  # tuple results carry these
-        m = re.search(r"=\s*(\(?[^=]*?)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|"
-                      r"collective-permute)(-start)?\(", line)
-        if not m:
-            continue
-        total = 0  # a tuple-shaped op (one piece per peer, or fused ops) counts as one
-        for dt, dims in re.findall(r"(f32|f64|bf16|f16|s32|u32|pred)\[([0-9,]*)\]",
-                                   m.group(1)):
-            n = 1
-            for d in filter(None, dims.split(",")):
-                n *= int(d)
-            total += n * size[dt]
-        ops.append((m.group(2).replace("-", "_"), total))
-    return ops
-
-print(json.dumps([collectives(c) for c in plans]))
-'''
-
-
-def hlo_collectives(plans: Sequence[Sequence[str]], batch: int, widths: Sequence[int],
-                    devices: int = 8, timeout: float = 300) -> list[list[tuple[str, int]]]:
-    """For each plan (cuts, one per layer): ``(kind, bytes)`` of every collective XLA
-    puts in one training step of the chain (output and weight gradients by ``jax.vjp``,
-    float32, ``tanh`` between layers, the output's cotangent given in the output's tiling)
-    when each layer's input, weight and output are constrained to the tilings of its cut,
-    on a mesh of ``devices`` fake CPU devices. Bytes are of the shape the compiled HLO
-    gives each op's result (summed over a tuple's elements: XLA fuses collectives and
-    gives an all-to-all one element per peer): the payloads :func:`plan_collectives`
-    predicts. Runs JAX in
-    one subprocess with ``JAX_NUM_CPU_DEVICES`` set, so it works after JAX started here."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    devices = check_int("devices", devices, lo=2)
-    widths = [check_int("widths", w, lo=1) for w in widths]
-    plans = [list(p) for p in plans]
-    for p in plans:
-        plan_collectives(p, batch, widths, devices)  # validates cuts and sizes
-    env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    done = subprocess.run([sys.executable, "-c", _HLO_SCRIPT,
-                           json.dumps([plans, batch, widths, devices])],
-                          capture_output=True, text=True, env=env, timeout=timeout)
-    if done.returncode:
-        raise RuntimeError(f"the JAX subprocess failed:\n{done.stderr[-3000:]}")
-    return [[(k, int(b)) for k, b in ops]
-            for ops in json.loads(done.stdout.strip().splitlines()[-1])]
-
-
-def bytes_by_kind(ops: Sequence[tuple]) -> dict[str, int]:
-    """Total payload bytes per collective kind of ``ops`` (tuples ending ``kind, bytes``,
-    as :func:`plan_collectives` and :func:`hlo_collectives` give them). Totals, not op
-    lists, are what to compare: XLA fuses several all-reduces into one tuple-shaped op."""
-    out: dict[str, int] = {}
-    for *_, kind, nbytes in ops:
-        out[kind] = out.get(kind, 0) + int(nbytes)
-    return dict(sorted(out.items()))
-
-
-def bench(device: torch.device, quick: bool) -> list:
-    """Rows for ``python -m parlearn.bench tensor_parallel``: communication counted against
-    the cost model (``ratio`` = counted bytes / modeled bytes; 1.0 is agreement). Bytes do
-    not depend on the device, so every row runs on the CPU whatever ``device`` is (the
-    rows name where they ran): the Megatron block on 2 gloo ranks (payloads from
-    :func:`parlearn.dist.ledger`, forward plus backward), and the plan
-    :func:`best_one_cut` picks for two networks on a JAX mesh of 8 fake CPU devices
-    (payloads from the compiled HLO). No times are claimed."""
-    from .bench import Row
-
-    del device  # see the docstring: communication volume is device-independent
-    rows = []
-    b, d, h = (8, 16, 32) if quick else (32, 64, 256)
-    res = megatron_check(2, batch=b, d_model=d, d_hidden=h)
-    counted = sum(n for phase in res["ledger"].values() for _, n, _ in phase.values())
-    modeled = sum(n for *_, n in _layer_collectives("column", b, d, h, 8, True)
-                  + _layer_collectives("row", b, h, d, 8, True))
-    rows.append(Row("tensor_parallel", "cost model: all-reduce |Y| fwd + |X| bwd",
-                    "Megatron MLP from scratch, ledger bytes", counted / modeled,
-                    "cpu (gloo, 2 ranks)",
-                    target="counted = modeled", met=counted == modeled,
-                    detail=f"float64 batch {b}, d {d}, hidden {h}: counted {counted} B, "
-                           f"modeled {modeled} B; max error vs unsharded "
-                           f"{max(res['scratch'], res['dtensor']):.1e}"))
-    nets = {"wide layers, small batch": (8, [256, 1024, 256]),
-            "narrow layers, large batch": (512, [32, 64, 32])}
-    plans = {name: best_one_cut(bt, w, 8)[0] for name, (bt, w) in nets.items()}
-    for name, (bt, w) in nets.items():
-        ops = hlo_collectives([plans[name]], bt, w)[0]
-        predicted = bytes_by_kind(plan_collectives(plans[name], bt, w, 8))
-        got, want = sum(bytes_by_kind(ops).values()), sum(predicted.values())
-        rows.append(Row("tensor_parallel", "planner's predicted payload bytes",
-                        f"{name}: plan {'/'.join(plans[name])}, XLA HLO bytes",
-                        got / want, "JAX, 8 fake CPU devices",
-                        target="counted = modeled", met=got == want,
-                        detail=f"batch {bt}, widths {w}: HLO {bytes_by_kind(ops)}, "
-                               f"predicted {predicted}"))
-    return rows
+def movement_matrix(name: str, p: int, rows: int = 2,
+                    cols: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """The serial matrix form of movement ``name``: ``(M, M_adj)``, the matrix of ``F``
+    (column ``j`` is ``F`` of the ``j``-th unit vector, all pieces flattened and joined in
+    rank order) and the matrix of the autograd backward of :func:`movement` (built the
+    same way from the output side). The backward is the adjoint exactly when
+    ``M_adj == M.T``; both are 0/1 matrices, so the comparison is exact."""
+    check_choice("name", name, MOVEMENTS)
+    p = check_int("p", p, lo=1)
+    rows, cols = check_int("rows", rows, lo=1), check_int("cols", cols, lo=1)
+    shapes = MOVEMENTS[name][2](p, rows, cols)
+    sizes = [torch.Size(s).numel() for s in shapes]
+    x = [torch.zeros(s, dtype=torch.float64, requires_grad=True) for s in shapes]
+    fx = movement(name, x, p)
+    out_sizes = [t.numel() for t in fx]
+    m = torch.stack([torch.cat([t.reshape(-1) for t in movement(
+        name, [c.reshape(sh) for c, sh in zip(e.split(sizes), shapes, strict=True)], p)])
+        for e in torch.eye(sum(sizes), dtype=torch.float64)], 1)
+    cols_adj = []
+    for e in torch.eye(sum(out_sizes), dtype=torch.float64).unbind(0):
+        ys = [c.reshape(t.shape) for c, t in zip(e.split(out_sizes), fx, strict=True)]
+        adj = torch.autograd.grad(fx, x, grad_outputs=ys, retain_graph=True)
+        cols_adj.append(torch.cat([a.reshape(-1) for a in adj]))
+    return m, torch.stack(cols_adj, 1)
 
 
 # ---------------------------------------------------------------------------------------
@@ -697,100 +502,335 @@ class RankReduceScatter(torch.autograd.Function):
         return torch.cat(parts, 0)
 
 
-RANK_MOVEMENTS = {"broadcast": RankBroadcast, "sum_reduce": RankSumReduce,
-                  "all_gather": RankAllGather, "reduce_scatter": RankReduceScatter}
-"""The real-rank movements: name -> autograd function (worker-side)."""
+def _gather0(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's block joined along dim 0 on rank 0; zeros of that shape elsewhere."""
+    p, rank = tdist.get_world_size(), tdist.get_rank()
+    parts = [torch.empty_like(x) for _ in range(p)] if rank == 0 else None
+    tdist.gather(x.contiguous(), parts, dst=0)
+    return torch.cat(parts, 0) if rank == 0 else x.new_zeros(p * x.shape[0], *x.shape[1:])
+
+
+def _scatter0(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's tensor cut into blocks along dim 0, block ``r`` to rank ``r``."""
+    p, rank = tdist.get_world_size(), tdist.get_rank()
+    chunks = [c.contiguous() for c in x.chunk(p, 0)]
+    out = torch.empty_like(chunks[0])
+    tdist.scatter(out, chunks if rank == 0 else None, src=0)
+    return out
+
+
+class RankScatter(torch.autograd.Function):
+    """Rank 0's tensor cut into blocks along dim 0, block ``r`` to rank ``r`` (the other
+    ranks' inputs are ignored); backward: a gather onto rank 0 (zeros elsewhere)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return _scatter0(x.detach())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return _gather0(grad)
+
+
+class RankGather(torch.autograd.Function):
+    """Every rank's block joined along dim 0 on rank 0 (zeros elsewhere); backward: a
+    scatter of rank 0's gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return _gather0(x.detach())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return _scatter0(grad)
+
+
+def _exchange(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
+    """Point-to-point: send ``sends[peer]`` to each peer and receive ``recvs[peer]`` from
+    each, all posted at once (no ordering can deadlock)."""
+    ops = [tdist.P2POp(tdist.isend, t.contiguous(), peer) for peer, t in sends.items()]
+    ops += [tdist.P2POp(tdist.irecv, t, peer) for peer, t in recvs.items()]
+    if ops:
+        for req in tdist.batch_isend_irecv(ops):
+            req.wait()
+
+
+def _rank_halo(x: torch.Tensor, halo: int) -> torch.Tensor:
+    rank, p = tdist.get_rank(), tdist.get_world_size()
+    left, right = (x.new_zeros(*x.shape[:-1], halo) for _ in range(2))
+    sends, recvs = {}, {}
+    if rank > 0:
+        sends[rank - 1], recvs[rank - 1] = x[..., :halo], left
+    if rank < p - 1:
+        sends[rank + 1], recvs[rank + 1] = x[..., -halo:], right
+    _exchange(sends, recvs)
+    return torch.cat([left, x, right], -1)
+
+
+def _rank_halo_add(y: torch.Tensor, halo: int) -> torch.Tensor:
+    rank, p = tdist.get_rank(), tdist.get_world_size()
+    own = y[..., halo:y.shape[-1] - halo].clone()
+    from_left, from_right = (y.new_empty(*y.shape[:-1], halo) for _ in range(2))
+    sends, recvs = {}, {}
+    if rank > 0:  # my left halo's gradient belongs to rank-1's last cells
+        sends[rank - 1], recvs[rank - 1] = y[..., :halo], from_left
+    if rank < p - 1:
+        sends[rank + 1], recvs[rank + 1] = y[..., -halo:], from_right
+    _exchange(sends, recvs)
+    if rank > 0:
+        own[..., :halo] += from_left
+    if rank < p - 1:
+        own[..., -halo:] += from_right
+    return own
+
+
+class RankHaloExchange(torch.autograd.Function):
+    """This rank's block of a tensor split along its last dim, padded with ``halo`` cells
+    from each neighbouring rank (zeros past the ends); backward: the adjoint, each halo's
+    gradient sent back and added to the cells it was copied from."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, halo: int) -> torch.Tensor:
+        if not 1 <= halo <= x.shape[-1]:
+            raise ValueError(f"halo must be in [1, {x.shape[-1]}] (the local length), "
+                             f"got {halo}")
+        ctx.halo = halo
+        return _rank_halo(x.detach(), halo)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _rank_halo_add(grad, ctx.halo), None
+
+
+def _repartition(x: torch.Tensor, src: int, dst: int) -> torch.Tensor:
+    p = tdist.get_world_size()
+    if x.shape[dst] % p:
+        raise ValueError(f"dim {dst} of the block ({x.shape[dst]}) must be divisible by "
+                         f"world_size={p}")
+    sends = [c.contiguous() for c in x.chunk(p, dst)]
+    recvs = [torch.empty_like(c) for c in sends]
+    tdist.all_to_all(recvs, sends)
+    return torch.cat(recvs, src)
+
+
+class RankRepartition(torch.autograd.Function):
+    """A transpose of the partition: this rank's block of a tensor split along dim ``src``
+    becomes its block of the same tensor split along dim ``dst`` (an all-to-all: block
+    ``j`` of my piece goes to rank ``j``); backward: the reverse repartition, its adjoint
+    (a permutation's adjoint is its inverse)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, src: int, dst: int) -> torch.Tensor:
+        ctx.src, ctx.dst = src, dst
+        return _repartition(x.detach(), src, dst)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _repartition(grad, ctx.dst, ctx.src), None, None
+
+
+RANK_MOVEMENTS: dict[str, tuple[Callable, Callable]] = {
+    "broadcast": (RankBroadcast.apply, lambda p, r, c: (r, c)),
+    "sum_reduce": (RankSumReduce.apply, lambda p, r, c: (r, c)),
+    "scatter": (RankScatter.apply, lambda p, r, c: (p * r, c)),
+    "gather": (RankGather.apply, lambda p, r, c: (r, c)),
+    "all_gather": (RankAllGather.apply, lambda p, r, c: (r, c)),
+    "reduce_scatter": (RankReduceScatter.apply, lambda p, r, c: (p * r, c)),
+    "halo_exchange": (lambda x: RankHaloExchange.apply(x, 2), lambda p, r, c: (r, c)),
+    "rows_to_cols": (lambda x: RankRepartition.apply(x, 0, 1), lambda p, r, c: (r, p * c)),
+    "cols_to_rows": (lambda x: RankRepartition.apply(x, 1, 0), lambda p, r, c: (p * r, c)),
+}
+"""The real-rank movements (worker-side): name -> ``(map, shape)``; ``map(x)`` is
+differentiable with the adjoint as its backward, ``shape(world_size, rows, cols)`` a valid
+shape of this rank's input. The halo exchange here uses a halo of 2 cells."""
 
 
 def rank_dot_product_worker(rank: int, world_size: int, rows: int = 2, cols: int = 3,
                             seed: int = 0) -> dict[str, tuple[float, float]]:
     """Worker: ``(<F x, y>, <x, F* y>)`` for every :data:`RANK_MOVEMENTS` entry, each inner
     product summed over ranks, ``F*`` taken as the autograd backward. Rank ``r`` draws its
-    own ``x`` and ``y`` (float64) from a generator seeded by ``seed`` and ``r``."""
+    own ``x`` and ``y`` (float64) from a generator seeded by ``seed`` and ``r``. Under the
+    key ``"values"``: this rank's ``(x, F x)`` of every movement, to compare with the
+    one-process movements of :data:`MOVEMENTS`."""
     g = torch.Generator().manual_seed(1000 * seed + rank)
-    out = {}
-    for name, fn in RANK_MOVEMENTS.items():
-        x = torch.randn(world_size * rows if name == "reduce_scatter" else rows, cols,
-                        generator=g, dtype=torch.float64, requires_grad=True)
-        fx = fn.apply(x)
+    out: dict = {"values": {}}
+    for name, (fn, shape) in RANK_MOVEMENTS.items():
+        x = torch.randn(shape(world_size, rows, cols), generator=g, dtype=torch.float64,
+                        requires_grad=True)
+        fx = fn(x)
         y = torch.randn(fx.shape, generator=g, dtype=torch.float64)
         (adj,) = torch.autograd.grad(fx, x, grad_outputs=y)
         sides = torch.stack([(fx.detach() * y).sum(), (x.detach() * adj).sum()])
         tdist.all_reduce(sides)
         out[name] = (sides[0].item(), sides[1].item())
+        out["values"][name] = (x.detach(), fx.detach())
     return out
 
 
 # ---------------------------------------------------------------------------------------
-# An Alpa-style two-level plan on the cost model: pipeline stages x sharding inside each.
+# A convolution split along its positions: halo exchange in front, weight replicated.
 
-def _stage_time(batch: int, widths: Sequence[int], i: int, j: int, group: int, last: bool,
-                flops_per_s: float, bytes_per_s: float, itemsize: int) -> tuple[float, list]:
-    """Modeled seconds one microbatch of ``batch`` rows spends in stage ``[i, j)`` on
-    ``group`` devices (compute, its intra-stage collectives, and sending its activation
-    forward and receiving that gradient back), and the stage's cuts."""
-    from .dist_model import ring_bytes
+class SpatialConv1d(nn.Module):
+    """Rank ``rank``'s share of ``full`` (an ``nn.Conv1d`` with stride 1, odd kernel and
+    "same" zero padding) for an input split along its length over ``world_size`` ranks:
+    ``forward(x_block)`` exchanges ``(kernel - 1) / 2`` halo cells with the neighbours
+    (:class:`RankHaloExchange`) and convolves without padding, giving this rank's block of
+    ``full(x)``. The weight and bias are replicated, passed through ``f``
+    (:class:`CopyToRanks`) so their gradients are summed over ranks, as data parallelism
+    would: the spatial cut's two collectives are the halo and that all-reduce."""
 
-    flops = 6.0 * batch * sum(widths[k] * widths[k + 1] for k in range(i, j))
-    if group > 1:
-        cuts, _ = best_one_cut(batch, widths[i:j + 1], group, itemsize)
-        comm = sum(ring_bytes(k, n, group) for *_, k, n in
-                   plan_collectives(cuts, batch, widths[i:j + 1], group, itemsize))
-    else:
-        cuts, comm = ["whole"] * (j - i), 0.0  # one device holds each layer
-    p2p = 0.0 if last else 2.0 * batch * widths[j] * itemsize
-    return flops / group / flops_per_s + (comm + p2p) / bytes_per_s, cuts
+    def __init__(self, full: nn.Conv1d, rank: int, world_size: int):
+        super().__init__()
+        check_module("full", full)
+        if not isinstance(full, nn.Conv1d):
+            raise TypeError(f"full must be an nn.Conv1d, got {type(full).__name__}")
+        k = full.kernel_size[0]
+        if (full.stride, full.dilation, full.groups, full.padding_mode) != ((1,), (1,), 1,
+                                                                              "zeros") \
+                or k % 2 == 0 or full.padding != ((k - 1) // 2,):
+            raise ValueError("full must have stride 1, dilation 1, groups 1, an odd kernel "
+                             "and padding (kernel - 1) / 2 with zeros")
+        world_size = check_int("world_size", world_size, lo=1)
+        check_int("rank", rank, lo=0, hi=world_size - 1)
+        self.halo = (k - 1) // 2
+        self.weight = nn.Parameter(full.weight.detach().clone())
+        self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.halo:
+            x = RankHaloExchange.apply(x, self.halo)
+        bias = None if self.bias is None else CopyToRanks.apply(self.bias)
+        return F.conv1d(x, CopyToRanks.apply(self.weight), bias)
 
 
-def two_level_plan(batch: int, widths: Sequence[int], devices: int, microbatches: int,
-                   flops_per_s: float, bytes_per_s: float, itemsize: int = 4) -> dict:
-    """The plan minimising modeled step time ``(m + S - 1) * max_s t_s`` (GPipe's schedule
-    with ``m`` microbatches over ``S`` stages) for ``devices`` devices: ``S`` divides
-    ``devices``, each stage is a contiguous run of layers on ``devices / S`` devices, and
-    each stage's layers take the communication-optimal one cut (:func:`best_one_cut`) over
-    its devices. The inner problem (contiguous split minimising the slowest stage) is a
-    dynamic program over (stages, layers); the outer one tries every ``S``. Data
-    parallelism (``S = 1``, all cuts batch), tensor parallelism (``S = 1``, column/row) and
-    a pure pipeline (one device per stage) are all points of this space.
+def serial_conv(c_in: int, c_out: int, kernel: int, seed: int | torch.Generator = 0,
+                dtype: torch.dtype = torch.float64) -> nn.Conv1d:
+    """The unsharded ``nn.Conv1d(c_in, c_out, kernel, padding=(kernel - 1) // 2)``,
+    initialised from ``seed`` (its own generator; the global RNG is untouched)."""
+    c_in, c_out = check_int("c_in", c_in, lo=1), check_int("c_out", c_out, lo=1)
+    kernel = check_int("kernel", kernel, lo=1)
+    if kernel % 2 == 0:
+        raise ValueError(f"kernel must be odd (same padding), got {kernel}")
+    seed = check_seed("seed", seed)
+    g = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        conv = nn.Conv1d(c_in, c_out, kernel, padding=(kernel - 1) // 2).to(dtype)
+    with torch.no_grad():
+        for p in conv.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=dtype) / (c_in * kernel) ** 0.5)
+    return conv
 
-    A simplified reconstruction of Alpa's two levels (Alpa solves the inner level by an
-    ILP over a richer sharding space and profiles stages): here times are modeled from
-    flops and bytes only, every collective is paid per microbatch (weight gradients are
-    synchronised as each microbatch produces them, as DDP does without ``no_sync``), and
-    no memory limit is imposed. Returns ``{"step_s", "stages" ([start, end) per stage),
-    "group", "cuts" (per stage; ``"whole"`` on one device), "stage_s"}``."""
-    widths = [check_int("widths", w, lo=1) for w in widths]
-    batch = check_int("batch", batch, lo=1)
-    devices = check_int("devices", devices, lo=1)
-    m = check_int("microbatches", microbatches, lo=1)
-    flops_per_s = check_float("flops_per_s", flops_per_s, lo=0, lo_open=True)
-    bytes_per_s = check_float("bytes_per_s", bytes_per_s, lo=0, lo_open=True)
-    if batch % m:
-        raise ValueError(f"batch {batch} must be divisible by microbatches={m}")
-    layers, mb = len(widths) - 1, batch // m
-    best = None
-    for stages in range(1, min(layers, devices) + 1):
-        if devices % stages:
-            continue
-        group = devices // stages
-        if group > 1 and mb % group:
-            continue  # a batch cut could not split the microbatch evenly
-        t = {(i, j): _stage_time(mb, widths, i, j, group, j == layers, flops_per_s,
-                                 bytes_per_s, itemsize)
-             for i in range(layers) for j in range(i + 1, layers + 1)}
-        # dp[s][j]: the smallest slowest-stage time covering layers [0, j) with s stages.
-        dp = [{0: (0.0, [])}] + [{} for _ in range(stages)]
-        for s in range(1, stages + 1):
-            for j in range(s, layers - (stages - s) + 1):
-                dp[s][j] = min(((max(dp[s - 1][i][0], t[i, j][0]), dp[s - 1][i][1] + [(i, j)])
-                                for i in range(s - 1, j) if i in dp[s - 1]),
-                               key=lambda v: v[0])
-        slowest, parts = dp[stages][layers]
-        step = (m + stages - 1) * slowest
-        if best is None or step < best["step_s"]:
-            best = {"step_s": step, "stages": parts, "group": group,
-                    "cuts": [t[p][1] for p in parts], "stage_s": [t[p][0] for p in parts]}
-    if best is None:
-        raise ValueError(f"no plan: the microbatch ({mb} rows) splits evenly over none of "
-                         f"the device groups that divide devices={devices}")
-    return best
+
+def _conv_inputs(batch: int, c_in: int, c_out: int, length: int, seed: int):
+    g = torch.Generator().manual_seed(seed + 11)
+    x = torch.randn(batch, c_in, length, generator=g, dtype=torch.float64)
+    w = torch.randn(batch, c_out, length, generator=g, dtype=torch.float64)  # loss weights
+    return x, w
+
+
+def halo_conv_worker(rank: int, world_size: int, batch: int, c_in: int, c_out: int,
+                     length: int, kernel: int, seed: int = 0) -> dict:
+    """Worker: :class:`SpatialConv1d` on this rank's block of the input's positions, on the
+    loss ``<conv(x), w>`` (this rank's block of it). Returns CPU tensors: this rank's block
+    of the output and of ``dx``, the (all-reduced) weight and bias gradients, and the
+    ledger of the forward and backward collectives."""
+    from .dist import ledger
+
+    full = serial_conv(c_in, c_out, kernel, seed)
+    x, w = _conv_inputs(batch, c_in, c_out, length, seed)
+    part = _chunk(length, rank, world_size)
+    conv = SpatialConv1d(full, rank, world_size)
+    xs = x[..., part].clone().requires_grad_(True)
+    with ledger() as fwd:
+        y = conv(xs)
+    with ledger() as bwd:
+        (y * w[..., part]).sum().backward()
+    return dict(y=y.detach(), dx=xs.grad, dw=conv.weight.grad, db=conv.bias.grad,
+                ledger=dict(forward=fwd.summary(), backward=bwd.summary()))
+
+
+def halo_conv_check(world_size: int, batch: int = 2, c_in: int = 3, c_out: int = 4,
+                    length: int = 12, kernel: int = 3, seed: int = 0,
+                    timeout: float = 30) -> dict:
+    """Run :func:`halo_conv_worker` on ``world_size`` real ranks and compare with the
+    unsharded convolution in this process. Returns ``{"y", "dx", "dw", "db"}``: the largest
+    absolute difference of each (blocks joined in rank order; the weight and bias
+    gradients of every rank), and ``"ledger"``: every rank's ledger summaries."""
+    from .dist import run
+
+    world_size = check_int("world_size", world_size, lo=1)
+    length = check_int("length", length, lo=1)
+    if length % world_size or length // world_size < (kernel - 1) // 2:
+        raise ValueError(f"length {length} must split evenly over world_size={world_size} "
+                         f"into blocks at least (kernel - 1) / 2 = {(kernel - 1) // 2} long")
+    full = serial_conv(c_in, c_out, kernel, seed)
+    x, w = _conv_inputs(batch, c_in, c_out, length, seed)
+    x = x.requires_grad_(True)
+    y = full(x)
+    (y * w).sum().backward()
+    res = run(halo_conv_worker, world_size, args=(batch, c_in, c_out, length, kernel, seed),
+              backend="gloo", timeout=timeout, deadline=4 * timeout)
+    err = {"y": (torch.cat([r["y"] for r in res], -1) - y.detach()).abs().max().item(),
+           "dx": (torch.cat([r["dx"] for r in res], -1) - x.grad).abs().max().item(),
+           "dw": max((r["dw"] - full.weight.grad).abs().max().item() for r in res),
+           "db": max((r["db"] - full.bias.grad).abs().max().item() for r in res)}
+    return {**err, "ledger": [r["ledger"] for r in res]}
+
+
+def bench(device: torch.device, quick: bool) -> list:
+    """Rows for ``python -m parlearn.bench tensor_parallel``: communication counted against
+    the cost model (``ratio`` = counted bytes / modeled bytes; 1.0 is agreement). Bytes do
+    not depend on the device, so every row runs on the CPU whatever ``device`` is (the
+    rows name where they ran): the Megatron block on 2 gloo ranks (payloads from
+    :func:`parlearn.dist.ledger`, forward plus backward), the spatially split convolution
+    on 3 gloo ranks against the planner's spatial cut (:class:`Conv`), and the plan
+    :func:`best_one_cut` picks for two networks on a JAX mesh of 8 fake CPU devices
+    (payloads from the compiled HLO). No times are claimed."""
+    from .bench import Row
+
+    del device  # see the docstring: communication volume is device-independent
+    rows = []
+    b, d, h = (8, 16, 32) if quick else (32, 64, 256)
+    res = megatron_check(2, batch=b, d_model=d, d_hidden=h)
+    counted = sum(n for phase in res["ledger"].values() for _, n, _ in phase.values())
+    modeled = sum(n for *_, n in Dense.collectives("column", (b, d, h), 8, True, 2)
+                  + Dense.collectives("row", (b, h, d), 8, True, 2))
+    rows.append(Row("tensor_parallel", "cost model: all-reduce |Y| fwd + |X| bwd",
+                    "Megatron MLP from scratch, ledger bytes", counted / modeled,
+                    "cpu (gloo, 2 ranks)",
+                    target="counted = modeled", met=counted == modeled,
+                    detail=f"float64 batch {b}, d {d}, hidden {h}: counted {counted} B, "
+                           f"modeled {modeled} B; max error vs unsharded "
+                           f"{max(res['scratch'], res['dtensor']):.1e}"))
+    # The spatial cut on 3 ranks: rank 1 has two neighbours. The ledger counts what a rank
+    # sends plus what it receives point to point; the planner ignores biases, so the bias
+    # all-reduce is added to its figure.
+    b, ci, co, n, k = (2, 3, 4, 12, 5) if quick else (8, 16, 32, 96, 5)
+    res = halo_conv_check(3, batch=b, c_in=ci, c_out=co, length=n, kernel=k)
+    led = res["ledger"][1]
+    counted = (led["forward"]["batch_isend_irecv"][1] + led["backward"]["batch_isend_irecv"][1]
+               ) // 2 + led["backward"]["all_reduce"][1]
+    modeled = sum(x for *_, x in Conv(ci, co, n, k).collectives(
+        "spatial", (b, ci, co, n // 3), 8, True, 3)) + co * 8
+    rows.append(Row("tensor_parallel", "planner's spatial cut: 2 halos each way + |W| (+|b|)",
+                    "conv split along positions (halo exchange), ledger bytes",
+                    counted / modeled, "cpu (gloo, 3 ranks)",
+                    target="counted = modeled", met=counted == modeled,
+                    detail=f"float64 batch {b}, channels {ci}->{co}, length {n}, kernel {k}, "
+                           f"rank 1: counted {counted} B of payload (halo sends + "
+                           f"all-reduce), modeled {modeled} B; max error vs unsharded "
+                           f"{max(res[q] for q in ('y', 'dx', 'dw', 'db')):.1e}"))
+    nets = {"wide layers, small batch": (8, [256, 1024, 256]),
+            "narrow layers, large batch": (512, [32, 64, 32])}
+    plans = {name: best_one_cut(bt, w, 8)[0] for name, (bt, w) in nets.items()}
+    for name, (bt, w) in nets.items():
+        ops = hlo_collectives([plans[name]], bt, w)[0]
+        predicted = bytes_by_kind(plan_collectives(plans[name], bt, w, 8))
+        got, want = sum(bytes_by_kind(ops).values()), sum(predicted.values())
+        rows.append(Row("tensor_parallel", "planner's predicted payload bytes",
+                        f"{name}: plan {'/'.join(plans[name])}, XLA HLO bytes",
+                        got / want, "JAX, 8 fake CPU devices",
+                        target="counted = modeled", met=got == want,
+                        detail=f"batch {bt}, widths {w}: HLO {bytes_by_kind(ops)}, "
+                               f"predicted {predicted}"))
+    return rows
