@@ -67,7 +67,7 @@ from .device import threads as _threads
 __all__ = ["RULES", "LOCAL_RULES", "ORDERS", "FeedbackLinear", "LocalNet", "make_net",
            "as_sequential", "feedback_angle", "minibatches", "update_order", "backprop_step",
            "local_step", "train", "TrainResult", "accuracy", "LocalRun", "run_local",
-           "cost_model", "compare_rules", "bench"]
+           "local_orders", "block_costs", "cost_model", "compare_rules", "bench"]
 
 RULES = ("backprop", "heads", "critics", "hebbian", "fixed")
 LOCAL_RULES = ("heads", "critics")
@@ -453,8 +453,8 @@ def _worker_local(rank: int, world: int, block: nn.Module, head: nn.Module, x: t
                 sends.popleft()[0].wait()
             out = h.detach().clone()
             sends.append((tdist.isend(out, rank + 1, tag=t), out))
-        # The local backward: head loss, gradients of block and head, SGD; the same
-        # arithmetic as local_step (which recomputes nothing: h's graph is reused).
+        # The local backward: head loss, gradients of block and head, SGD: the same
+        # arithmetic as local_step, in the same order, so the result is the same to the bit.
         loss = F.cross_entropy(head(h), y[idx])
         bp, hp = _trainable(block.parameters()), _trainable(head.parameters())
         grads = torch.autograd.grad(loss, bp + hp)
@@ -530,6 +530,55 @@ def _out_width(block: nn.Module) -> int:
 # ---------------------------------------------------------------------------------------
 # The cost model (modeled): step and idle time of backprop, pipelined backprop, local.
 
+def local_orders(blocks: int, steps: int) -> list[list]:
+    """The asynchronous local pipeline as :func:`parlearn.pipeline.simulate` orders: every
+    rank runs ``F t`` (its forward, local backward and update of minibatch ``t``) for
+    ``t = 0..steps-1``; ``F t`` on rank ``k`` needs ``F t`` of rank ``k-1``, nothing else."""
+    from .pipeline import Op
+
+    blocks, steps = check_int("blocks", blocks, lo=1), check_int("steps", steps, lo=1)
+    return [[Op("F", t) for t in range(steps)] for _ in range(blocks)]
+
+
+def block_costs(net: LocalNet, x: torch.Tensor, y: torch.Tensor, *, repeat: int = 5
+                ) -> dict[str, float]:
+    """Measured seconds (median of ``repeat``, one intra-op thread, the caller's count
+    restored) of the slowest block's ``"forward"``, its ``"backward"`` (block gradients from
+    the output gradient) and its local ``"head"`` (head forward and backward), on a minibatch
+    ``(x, y)``: the costs to feed :func:`cost_model`."""
+    from .timing import measure
+
+    if not isinstance(net, LocalNet):
+        raise TypeError(f"net must be a LocalNet, got {type(net).__name__}")
+    repeat = check_int("repeat", repeat, lo=1)
+    out = {"forward": 0.0, "backward": 0.0, "head": 0.0}
+    h = x.detach()
+    for block, head in zip(net.blocks, net.heads, strict=True):
+        params = _trainable(block.parameters())
+        out_h = block(h)
+        g = torch.ones_like(out_h)
+        o = out_h.detach().requires_grad_(True)
+
+        def fwd(block=block, h=h):
+            with torch.no_grad():
+                block(h)
+
+        def bwd(block=block, h=h, g=g, params=params):
+            torch.autograd.grad(block(h), params, g)
+
+        def hd(head=head, o=o):
+            torch.autograd.grad(F.cross_entropy(head(o), y), [o, *head.parameters()])
+
+        t_f = measure(fwd, repeat=repeat, threads=1).median
+        # backward = forward-with-graph + backward, less the forward alone.
+        t_b = max(measure(bwd, repeat=repeat, threads=1).median - t_f, 0.0)
+        t_h = measure(hd, repeat=repeat, threads=1).median
+        out = {"forward": max(out["forward"], t_f), "backward": max(out["backward"], t_b),
+               "head": max(out["head"], t_h)}
+        h = out_h.detach()
+    return out
+
+
 def cost_model(blocks: int, forward: float = 1.0, *, backward: float = 2.0,
                head: float = 0.3, micro_batches: int = 4, steps: int = 64,
                comm: float = 0.0) -> dict[str, dict[str, float]]:
@@ -546,7 +595,7 @@ def cost_model(blocks: int, forward: float = 1.0, *, backward: float = 2.0,
     The formulas hold for ``comm = 0``; the numbers come from
     :func:`parlearn.pipeline.simulate` of the schedules, so ``comm`` is counted too.
     ``speedup`` is the backprop time over each one's."""
-    from .pipeline import Op, schedule, simulate
+    from .pipeline import schedule, simulate
 
     blocks = check_int("blocks", blocks, lo=1)
     f = check_float("forward", forward, lo=0, lo_open=True)
@@ -559,8 +608,7 @@ def cost_model(blocks: int, forward: float = 1.0, *, backward: float = 2.0,
     pipe = simulate(schedule("1f1b", blocks, m), f, b, comm=comm)
     out["pipelined"] = {"step": pipe.makespan / m, "idle": pipe.bubble}
     # Local: every op is one block's forward + local backward + update; nothing comes back.
-    local = simulate([[Op("F", t) for t in range(steps)] for _ in range(blocks)], f + b + h,
-                     0.0, comm=comm)
+    local = simulate(local_orders(blocks, steps), f + b + h, 0.0, comm=comm)
     out["local"] = {"step": local.makespan / steps, "idle": local.bubble}
     for v in out.values():
         v["speedup"] = out["backprop"]["step"] / v["step"]
