@@ -183,9 +183,6 @@ class LocalNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.heads[-1](self.features(x))
 
-    def block_params(self, k: int) -> list[nn.Parameter]:
-        return list(self.blocks[k].parameters())
-
     def global_params(self) -> list[nn.Parameter]:
         """What global backprop trains: every block and the last head."""
         return [p for b in self.blocks for p in b.parameters()] + list(
@@ -282,7 +279,8 @@ def local_step(block: nn.Module, head: nn.Module, x: torch.Tensor, y: torch.Tens
     Returns ``(h, loss, head_grads)``: the block's output (detached, for block ``k+1``),
     its local loss ``l_k = CE(head(h), y)`` and ``d l_k / d head``. The block is updated at
     once with ``d l_k / d block``. A local head (``critic=False``) is updated with its
-    gradient too; a critic's update waits for the next group's loss (:func:`critic_update`).
+    gradient too; a critic's update waits for the next group's loss, which :func:`train`
+    applies when block ``k+1`` has reported it.
     """
     h = block(x.detach())
     loss = F.cross_entropy(head(h), y)
@@ -376,8 +374,9 @@ def train(net: LocalNet, x: torch.Tensor, y: torch.Tensor, rule: str, *, epochs:
     of rate ``lr`` with ``weight_decay``, on :func:`minibatches` ``(len(x), batch, epochs,
     seed)``. Global rules take one :func:`backprop_step` per minibatch; local rules run
     :func:`local_step` in :func:`update_order` ``(order, K, steps)``. ``test=(x, y)`` records
-    the test accuracy after every epoch (for the local rules, once every block has finished
-    the epoch)."""
+    the test accuracy after every epoch (for the local rules, when the last block has finished
+    the epoch; in ``"wavefront"`` order the blocks below are then already further on, so
+    the two orders give the same trained net but not the same accuracy history)."""
     lr, weight_decay = _check_train(net, x, y, rule, lr, weight_decay)
     check_choice("order", order, ORDERS)
     net = copy.deepcopy(net)
