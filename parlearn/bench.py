@@ -61,6 +61,8 @@ BENCHES: dict[str, tuple[str, str]] = {
                  "backward schedules on a deep narrow MLP: leapfrog/segments vs serial"),
     "multigrid": ("parlearn.multigrid",
                   "layer-parallel forward/backward (MGRIT) vs the best serial ResNet"),
+    "local": ("parlearn.local",
+              "asynchronous local-heads pipeline vs pipelined backprop on the same 2 ranks"),
     # Part 3: many copies at once
     "dither": ("parlearn.dither",
                "P=64 noisy copies: one batched forward/backward vs a loop over copies"),
