@@ -250,7 +250,8 @@ class TiedMLP(nn.Module):
         gen = torch.Generator().manual_seed(seed)
 
         def lin(i, o, bias=True):
-            layer = nn.Linear(i, o, bias=bias, dtype=dtype)
+            # skip_init: nn.Linear's own init would draw from the caller's global RNG.
+            layer = nn.utils.skip_init(nn.Linear, i, o, bias=bias, dtype=dtype)
             with torch.no_grad():
                 layer.weight.copy_(torch.randn(o, i, generator=gen, dtype=dtype) / i**0.5)
                 if bias:

@@ -31,7 +31,8 @@ def mlp(widths: Sequence[int], *, seed: int = 0, dtype: torch.dtype = torch.floa
     gen = torch.Generator().manual_seed(seed)
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(widths[:-1], widths[1:], strict=True)):
-        lin = nn.Linear(a, b, dtype=dtype)
+        # skip_init: nn.Linear's own init would draw from the caller's global RNG.
+        lin = nn.utils.skip_init(nn.Linear, a, b, dtype=dtype)
         with torch.no_grad():
             lin.weight.copy_(torch.randn(b, a, generator=gen, dtype=dtype) * (2 / a) ** 0.5)
             lin.bias.zero_()

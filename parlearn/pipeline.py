@@ -262,7 +262,8 @@ def make_model(widths: Sequence[int], seed: int = 0, dtype: torch.dtype = torch.
     gen = torch.Generator().manual_seed(check_int("seed", seed, lo=0))
     layers = []
     for i, (a, b) in enumerate(zip(widths[:-1], widths[1:], strict=True)):
-        lin = nn.Linear(a, b, dtype=dtype)
+        # skip_init: nn.Linear's own init would draw from the caller's global RNG.
+        lin = nn.utils.skip_init(nn.Linear, a, b, dtype=dtype)
         with torch.no_grad():
             lin.weight.copy_(torch.randn(b, a, generator=gen, dtype=dtype) / a ** 0.5)
             lin.bias.copy_(0.1 * torch.randn(b, generator=gen, dtype=dtype))

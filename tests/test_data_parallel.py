@@ -363,3 +363,12 @@ def test_step_spans_and_summaries_from_event_logs():
     s = W.summarize_steps(res)["k"]          # slowest rank per step: 4, 2, 3 after the first
     assert s["median"] == 3.0 and s["bytes"] == {"all_reduce": 8}
     assert W.mlp_param_bytes([3, 4, 2]) == [48, 16, 32, 8]
+
+
+def test_models_leave_the_global_rng_alone():
+    state = torch.random.get_rng_state()
+    D.TiedMLP(4, 6, 3, seed=2)
+    W.mlp([4, 6, 3], seed=2)
+    assert torch.equal(state, torch.random.get_rng_state())
+    a, b = W.mlp([4, 6, 3], seed=2), W.mlp([4, 6, 3], seed=2)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))

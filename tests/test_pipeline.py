@@ -228,3 +228,11 @@ def test_bidirectional_does_all_the_work_and_shrinks_the_bubble():
     assert pl.simulate_bidirectional(4, 4).bubble < pl.bubble_formula(4, 4) - 0.05
     with pytest.raises(ValueError, match="even"):
         pl.simulate_bidirectional(2, 3)
+
+
+def test_make_model_leaves_the_global_rng_alone():
+    state = torch.random.get_rng_state()
+    a = pl.make_model([3, 5, 2], seed=1)
+    assert torch.equal(state, torch.random.get_rng_state())
+    b = pl.make_model([3, 5, 2], seed=1)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
