@@ -61,7 +61,8 @@ from .checks import check_choice, check_float, check_int
 
 __all__ = ["METHODS", "synthetic_data", "init_vectors", "top_eigenvectors", "direction",
            "update", "fit", "fit_sharded", "abs_cosines", "longest_streak", "minibatch_bias",
-           "compare_sharded", "run_with_devices", "throughput", "sharded_throughput", "bench"]
+           "compare_sharded", "collective_bytes", "run_with_devices", "throughput",
+           "sharded_throughput", "bench"]
 
 METHODS = ("mu", "alpha")
 """``"mu"``: EigenGame Unloaded (unbiased); ``"alpha"``: the original EigenGame."""
@@ -442,6 +443,32 @@ def compare_sharded(x: Any, k: int, mesh_shapes: Sequence[tuple[int, int]], **fi
         name = f"{shape[0]}x{shape[1]}"
         out["sharded"][name] = res["v"]
         out["max_abs_diff"][name] = float(np.abs(res["snapshots"] - ref["snapshots"]).max())
+    return out
+
+
+_SIZES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "s64": 8, "pred": 1}
+
+
+@_x64
+def collective_bytes(x: Any, k: int, *, mesh_shape: tuple[int, int], batch: int,
+                     method: str = "mu") -> dict[str, int]:
+    """Bytes per device of the collectives XLA compiled into one :func:`fit_sharded` step.
+
+    Reads the compiled HLO: ``{"all-reduce": bytes, "all-gather": bytes}``, each the total
+    size of the arrays those ops return on one device (float64). Needs the mesh's devices.
+    """
+    import re
+
+    data, players = (check_int("mesh_shape", n, lo=1) for n in mesh_shape)
+    x, k, batch, _, _, _, _, v0 = _check_fit(x, k, method, batch, 0.1, 1, 1, 0, None)
+    run = _sharded_fit(data, players, method, 1, 1)
+    text = run.lower(v0, _batches(x, batch, 0), 0.1).compile().as_text()
+    out = {"all-reduce": 0, "all-gather": 0}
+    for line in text.splitlines():
+        m = re.search(r"=\s*(\S+)\s+(all-reduce|all-gather)(-start)?\(", line)
+        if m:
+            dt, dims = re.match(r"(\w+)\[([0-9,]*)\]", m.group(1)).groups()
+            out[m.group(2)] += _SIZES[dt] * math.prod(int(n) for n in dims.split(",") if n)
     return out
 
 
