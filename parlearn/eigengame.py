@@ -628,16 +628,19 @@ def bench(device: Any, quick: bool) -> list:
 
     1. samples/s of batched mu-EigenGame updates over batch-1 updates (same samples, one
        device); 2. one update step of global batch 512 on a mesh of 8 fake CPU devices over
-       the same on one device (a child process with ``JAX_NUM_CPU_DEVICES=8``). ``device`` is
-       not used: JAX runs on the CPU here (the rows say so).
+       the same on one device. Both run in child processes (1 and 8 fake CPU devices), so
+       JAX never starts in the bench process. ``device`` is not used: JAX runs on the CPU
+       here (the rows say so).
     """
     from .bench import Row
 
     del device  # JAX on the CPU, see the docstring
     x = synthetic_data(4096, 64, decay=0.9, seed=0)
     k, big = 8, 256 if quick else 1024
-    tp = throughput(x, k, batch_sizes=(big,), samples=big * 8 if quick else 4096,
-                    repeat=3 if quick else 7)
+    # JAX runs in child processes: the bench process may fork later (dist.run), and a forked
+    # process with JAX running can deadlock.
+    tp = run_with_devices(1, "throughput", x, k, batch_sizes=[big],
+                          samples=big * 8 if quick else 4096, repeat=3 if quick else 7)
     lo, hi = tp["speedup_lo"]["batched"][0], tp["speedup_hi"]["batched"][0]
     rows = [Row(f"eigengame mu, d=64 k=8, {tp['samples']} samples", "batch-1 updates",
                 f"batch-{big} updates", tp["speedup"]["batched"][0], "cpu (JAX, 1 device)",
