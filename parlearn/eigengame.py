@@ -37,6 +37,11 @@ needs the ones before it) and psums ``X_r^T X_r V`` over "data". :func:`fit` is 
 single-device serial reference it equals to round-off (float64). Computations run with JAX
 64-bit mode switched on *locally* (``jax.enable_x64``), leaving the caller's config as it was.
 
+Sources: the papers' abstracts and update equations; the full texts were not read here. The
+mu and alpha directions agree with a public port of the 2022 paper's Appendix-B pseudocode
+(up to the 1/b scale). The surrounding choices are ours: all players step at once with plain
+SGD and a constant ``lr`` (no momentum), minibatches are dealt as below.
+
 Minibatches: the rows are shuffled once (``seed``) and dealt into ``n // batch`` batches of
 consecutive rows (the ``n mod batch`` rows left over are not used; ``fit`` reports
 ``rows_used``); step t uses batch ``t mod (n // batch)``. On a mesh, device r of "data"
@@ -461,6 +466,9 @@ def collective_bytes(x: Any, k: int, *, mesh_shape: tuple[int, int], batch: int,
 
     data, players = (check_int("mesh_shape", n, lo=1) for n in mesh_shape)
     x, k, batch, _, _, _, _, v0 = _check_fit(x, k, method, batch, 0.1, 1, 1, 0, None)
+    if batch % data or k % players:
+        raise ValueError(f"mesh {data}x{players}: batch={batch} must be a multiple of {data} "
+                         f"and k={k} of {players}")
     run = _sharded_fit(data, players, method, 1, 1)
     text = run.lower(v0, _batches(x, batch, 0), 0.1).compile().as_text()
     out = {"all-reduce": 0, "all-gather": 0}
@@ -546,6 +554,7 @@ def throughput(x: Any, k: int, *, batch_sizes: Sequence[int] = (1, 8, 64, 512),
     Returns :func:`parlearn.timing.sweep`'s dict over ``batch_sizes`` plus
     ``"samples_per_s"`` and ``"updates_per_s"`` (lists, batched, from the medians) and
     ``"batch1_samples_per_s"``. The ``speedup`` of "batched" is its samples/s over batch 1's.
+    ``"threads"`` is ``"XLA's"``: XLA's own CPU thread pool does the work.
     """
     import jax.numpy as jnp
 
@@ -576,7 +585,10 @@ def throughput(x: Any, k: int, *, batch_sizes: Sequence[int] = (1, 8, 64, 512),
     out["samples_per_s"] = [samples / t for t in out["median_s"]["batched"]]
     out["updates_per_s"] = [samples / b / t for b, t in zip(sizes, out["median_s"]["batched"],
                                                              strict=True)]
-    out.update(samples=samples, method=method, dtype=dtype, device="cpu (JAX)")
+    # XLA runs on its own CPU thread pool; torch's thread count (what sweep records) says
+    # nothing about it.
+    out.update(samples=samples, method=method, dtype=dtype, device="cpu (JAX)",
+               threads="XLA's")
     return out
 
 
