@@ -66,6 +66,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     # Part 3: many copies at once
     "dither": ("parlearn.dither",
                "P=64 noisy copies: one batched forward/backward vs a loop over copies"),
+    "eigengame": ("parlearn.eigengame",
+                  "EigenGame samples/s: batched vs batch-1; 8 fake devices vs 1 (JAX)"),
     "decoding": ("parlearn.decoding",
                  "forward passes per sequence at >= 99% validity, and the decoder's own time"),
 }
