@@ -449,10 +449,14 @@ def _worker_local(rank: int, world: int, block: nn.Module, head: nn.Module, x: t
         h = block(inp)
         mid = time.perf_counter()
         if not last:
+            # Outside the timed bars: waiting for the oldest send blocks until rank+1 has
+            # posted its receive (gloo), which is waiting, not compute. Timed inside B, it
+            # made rank 0's B bars several times longer than rank 1's.
             if len(sends) >= _SEND_DEPTH:
                 sends.popleft()[0].wait()
             out = h.detach().clone()
             sends.append((tdist.isend(out, rank + 1, tag=t), out))
+        back = time.perf_counter()
         # The local backward: head loss, gradients of block and head, SGD: the same
         # arithmetic as local_step, in the same order, so the result is the same to the bit.
         loss = F.cross_entropy(head(h), y[idx])
@@ -462,7 +466,7 @@ def _worker_local(rank: int, world: int, block: nn.Module, head: nn.Module, x: t
         end = time.perf_counter()
         losses.append(float(loss.detach()))
         events.append((f"rank {rank}", f"F {t}", start - t0, mid - t0))
-        events.append((f"rank {rank}", f"B {t}", mid - t0, end - t0))
+        events.append((f"rank {rank}", f"B {t}", back - t0, end - t0))
     for work, _ in sends:
         work.wait()
     return {"params": [p.detach().clone() for p in [*block.parameters(), *head.parameters()]],
