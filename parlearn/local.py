@@ -722,7 +722,11 @@ def bench(device: torch.device, quick: bool) -> list:
                        f"run is its own launch); modeled from measured op costs "
                        f"F {f_ * 1e3:.2f} ms, B {b_ * 1e3:.2f} ms, head {head * 1e3:.2f} ms "
                        f"and a message cost {comm * 1e3:.2f} ms fitted to the pipelined step "
-                       f"(free messages would give {free:.2f}x)")]
+                       f"(free messages would give {free:.2f}x); modeled local "
+                       f"{model['local']['step'] * 1e3:.2f} ms vs measured {t_local * 1e3:.2f}"
+                       f" ms per minibatch: the model overlaps every hand-over with compute, "
+                       f"so a measured local step above it is hand-over latency (large on "
+                       f"shared cores, under a millisecond on a quiet machine)")]
 
 
 def _ratio(model: dict) -> float:
