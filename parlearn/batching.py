@@ -83,7 +83,8 @@ __all__ = ["expected_cosine", "controller_fixed_point", "adascale_gain",
            "HalfStats", "two_half_stats", "NoiseScale", "SimiGradController",
            "LinearRegressionProblem", "RegressionTask", "DigitsTask", "half_gradients",
            "half_groups", "worker_half_gradients", "METHODS", "LR_SCALINGS", "History",
-           "train", "worker_train", "probe_bytes", "samples_to_target", "bench"]
+           "train", "worker_train", "probe_bytes", "samples_to_target", "monte_carlo_halves",
+           "measure_noise_scale", "batch_sweep", "tradeoff_model", "bench"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -194,6 +195,46 @@ def two_half_stats(a: torch.Tensor, b: torch.Tensor, batch: int) -> HalfStats:
     cos = dot / (na * nb) if na > 0 and nb > 0 else 0.0
     return HalfStats(cos=cos, g2=dot, trace=batch * float((a - b).square().sum()) / 4,
                      batch=batch)
+
+
+def monte_carlo_halves(problem: LinearRegressionProblem, w: torch.Tensor, batch: int,
+                       reps: int, *, seed: int = 0, chunk: int = 250) -> list[HalfStats]:
+    """``reps`` independent batches of ``batch`` fresh examples of ``problem`` at ``w``:
+    each batch's :class:`HalfStats`, from the per-example gradients ``x (x . w - y)``
+    (vectorised, ``chunk`` batches at a time)."""
+    batch = check_int("batch", batch, lo=2)
+    if batch % 2:
+        raise ValueError(f"batch must be even (two halves), got {batch}")
+    reps = check_int("reps", reps, lo=1)
+    check_int("chunk", chunk, lo=1)
+    w = check_tensor("w", w, shape=(problem.d,), floating=True).to(torch.float64)
+    gen = torch.Generator().manual_seed(check_int("seed", seed, lo=0))
+    out = []
+    for start in range(0, reps, chunk):
+        r = min(chunk, reps - start)
+        x, y = problem.sample(r * batch, gen)
+        g = (x * (x @ w - y)[:, None]).reshape(r, batch, problem.d)
+        a, b = g[:, :batch // 2].mean(1), g[:, batch // 2:].mean(1)
+        out += [two_half_stats(a[i], b[i], batch) for i in range(r)]
+    return out
+
+
+def measure_noise_scale(model: nn.Module, task, batch: int, reps: int, *,
+                        first_draw: int = 1_000_000) -> dict:
+    """``B_simple`` of ``model`` on ``task`` at its current parameters, from ``reps``
+    batches of ``batch`` (draws ``first_draw``, ``first_draw + 1``, ...: apart from the
+    training draws): the ratio of the mean ``tr Sigma`` and ``|G|^2`` estimates, with the
+    mean cosine of the halves. The model is not changed."""
+    check_module("model", model)
+    batch = check_int("batch", batch, lo=2)
+    reps = check_int("reps", reps, lo=1)
+    g2 = trace = cos = 0.0
+    for r in range(reps):
+        x, y = task.draw(first_draw + r, batch)
+        s = two_half_stats(*half_gradients(model, task.loss_fn, x, y), batch)
+        g2, trace, cos = g2 + s.g2 / reps, trace + s.trace / reps, cos + s.cos / reps
+    return {"b_simple": trace / g2 if g2 > 0 else math.inf, "g2": g2, "trace": trace,
+            "cos": cos}
 
 
 class NoiseScale:
@@ -314,6 +355,17 @@ class LinearRegressionProblem:
         """Exact noise scale ``tr Sigma / |G|^2`` at ``w``."""
         g = self.gradient(w)
         return self.trace(w) / float(g @ g)
+
+    def b_simple_from_loss(self, loss: float) -> float:
+        """Exact noise scale at any ``w`` whose population loss is ``loss``; isotropic
+        problems only (``h`` all equal), where everything depends on ``|u|`` alone:
+        ``B_simple = d (1 + sigma^2 / (h |u|^2)) + 1`` with ``h |u|^2 = 2 loss - sigma^2``."""
+        if not bool((self.h == self.h[0]).all()):
+            raise ValueError("b_simple_from_loss needs an isotropic problem (all h equal)")
+        hu2 = 2 * check_float("loss", loss) - self.noise**2
+        if hu2 <= 0:
+            raise ValueError(f"loss={loss} is at or below the noise floor {self.noise**2 / 2}")
+        return self.d * (1 + self.noise**2 / hu2) + 1
 
     def sample(self, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """``n`` fresh examples ``(x, y)`` (float64) drawn with ``generator``."""
@@ -696,6 +748,64 @@ def samples_to_target(hist: History, target_loss: float) -> tuple[int, int] | No
         if loss <= target_loss:
             return t + 1, hist.samples[t]
     return None
+
+
+def batch_sweep(model: nn.Module, task, batches: Sequence[int], lrs: Sequence[float],
+                target_loss: float, *, steps: int = 2000, progress=None) -> dict:
+    """Steps and examples to ``target_loss`` with a fixed batch, for each of ``batches``,
+    each at its best learning rate of ``lrs`` (fewest steps), and the fit of
+    ``S = S_min (1 + B_crit / B)`` to them (:func:`critical_batch_fit`). A batch that no
+    rate brings to the target within ``steps`` is reported with ``steps=None`` and left
+    out of the fit. ``progress(fraction, text)`` is called after each batch."""
+    import copy
+
+    check_module("model", model)
+    batches = [check_int("batches[i]", b, lo=2) for b in batches]
+    lrs = [check_float("lrs[i]", lr, lo=0, lo_open=True) for lr in lrs]
+    if not batches or not lrs:
+        raise ValueError("batches and lrs must not be empty")
+    rows = []
+    for i, b in enumerate(batches):
+        best = None
+        for lr in lrs:
+            h = train(copy.deepcopy(model), task, method="fixed", batch=b, lr=lr, steps=steps,
+                      target_loss=target_loss, max_batch=b)
+            hit = samples_to_target(h, target_loss)
+            if hit is not None and (best is None or hit[0] < best[1]):
+                best = (lr, *hit)
+        rows.append({"batch": b, "lr": best[0] if best else None,
+                     "steps": best[1] if best else None, "samples": best[2] if best else None})
+        if progress is not None:
+            progress((i + 1) / len(batches), f"batch {b}")
+    ok = [r for r in rows if r["steps"] is not None]
+    fit = critical_batch_fit([r["batch"] for r in ok], [r["steps"] for r in ok])
+    return {"rows": rows, "fit": fit, "target_loss": target_loss}
+
+
+def tradeoff_model(b_noise: Sequence[float], *, batch: float | None = None,
+                   factor: float | None = None) -> dict:
+    """Modeled steps and examples of a whole run whose noise scale changes: ``b_noise[i]``
+    is the noise scale during the ``i``-th of ``len(b_noise)`` equal pieces of the run's
+    ``S_min`` (each piece takes 1 step at infinite batch). A piece at noise scale ``b``
+    with batch ``B`` takes ``1 + b / B`` steps of ``B`` examples (McCandlish's
+    ``S = S_min (1 + B_noise / B)``, piece by piece). Either a fixed ``batch``, or an
+    adaptive one ``B = factor x b_noise`` (what a controller tracking the noise scale
+    holds: SimiGrad's target ``s`` gives ``factor = 2 s / (1 - s)``). Returns
+    ``{"steps", "samples", "batch": per piece}``."""
+    bn = [check_float("b_noise[i]", b, lo=0, lo_open=True) for b in b_noise]
+    if not bn:
+        raise ValueError("b_noise must not be empty")
+    if (batch is None) == (factor is None):
+        raise ValueError("give exactly one of batch (fixed) and factor (adaptive)")
+    if batch is not None:
+        bs = [check_float("batch", batch, lo=0, lo_open=True)] * len(bn)
+    else:
+        f = check_float("factor", factor, lo=0, lo_open=True)
+        bs = [f * b for b in bn]
+    steps = [1 + b / big for b, big in zip(bn, bs, strict=True)]
+    return {"steps": sum(steps), "samples": sum(s * big for s, big in zip(steps, bs,
+                                                                           strict=True)),
+            "batch": bs}
 
 
 # The bench's runs on digits: (label, train arguments); each gets the best learning rate of

@@ -21,20 +21,6 @@ from parlearn import dp_workers as dpw
 TIMEOUT = 60
 
 
-def _halves_mc(problem, w, batch, reps, seed, chunk=250):
-    """``reps`` independent batches at ``w``: per batch the two halves' :class:`HalfStats`,
-    from the closed-form per-example gradients ``x (x.w - y)``."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for start in range(0, reps, chunk):
-        r = min(chunk, reps - start)
-        x, y = problem.sample(r * batch, gen)
-        g = (x * (x @ w - y)[:, None]).reshape(r, batch, problem.d)
-        a, b = g[:, :batch // 2].mean(1), g[:, batch // 2:].mean(1)
-        out += [bt.two_half_stats(a[i], b[i], batch) for i in range(r)]
-    return out
-
-
 def _mean_se(xs):
     t = torch.tensor(xs, dtype=torch.float64)
     return float(t.mean()), float(t.std()) / math.sqrt(len(xs))
@@ -68,7 +54,7 @@ def test_isotropic_noiseless_noise_scale_is_d_plus_one_everywhere():
 def test_two_half_estimators_are_unbiased():
     p = bt.LinearRegressionProblem(16, h=torch.linspace(0.5, 2, 16), noise=0.5, seed=0)
     w = torch.zeros(16, dtype=torch.float64)
-    stats = _halves_mc(p, w, batch=32, reps=4000, seed=5)
+    stats = bt.monte_carlo_halves(p, w, batch=32, reps=4000, seed=5)
     g2, se_g2 = _mean_se([s.g2 for s in stats])
     tr, se_tr = _mean_se([s.trace for s in stats])
     exact_g2, exact_tr = float(p.gradient(w).square().sum()), p.trace(w)
@@ -82,7 +68,7 @@ def test_two_half_cosine_matches_formula_within_5_percent(batch, reps):
     # d = 64, isotropic, noiseless: B_simple = 65 exactly; cos about 0.50 and 0.66.
     p = bt.LinearRegressionProblem(64, seed=1)
     w = torch.zeros(64, dtype=torch.float64)
-    stats = _halves_mc(p, w, batch=batch, reps=reps, seed=batch)
+    stats = bt.monte_carlo_halves(p, w, batch=batch, reps=reps, seed=batch)
     m, se = _mean_se([s.cos for s in stats])
     f = bt.expected_cosine(p.b_simple(w), batch)
     assert 4 * se < 0.025 * f           # Monte Carlo error uses at most half the 5% allowed
@@ -145,6 +131,34 @@ def test_steps_samples_model_and_fit_recover_each_other():
     assert fit["s_min"] == pytest.approx(50, rel=1e-9)
     one = bt.steps_samples_model(100, b_noise=100, s_min=50)
     assert one["steps"] == pytest.approx(100)
+
+
+def test_tradeoff_model_piecewise_and_adaptive():
+    # constant noise scale: the whole-run model is McCandlish's S and E
+    fixed = bt.tradeoff_model([50.0] * 10, batch=25)
+    ref = bt.steps_samples_model(25, b_noise=50, s_min=10)
+    assert fixed["steps"] == pytest.approx(ref["steps"]) and fixed["samples"] == pytest.approx(
+        ref["samples"])
+    # tracking B = k b_noise: (1 + 1/k) S_min steps and (1 + k) E_min examples, any path
+    path = [10.0, 20.0, 80.0, 300.0]
+    k = 2 * 0.5 / (1 - 0.5)
+    ada = bt.tradeoff_model(path, factor=k)
+    assert ada["steps"] == pytest.approx((1 + 1 / k) * len(path))
+    assert ada["samples"] == pytest.approx((1 + k) * sum(path))
+    # on a growing path every fixed batch with as few steps costs more examples
+    for b in (20.0, 60.0, 120.0, 300.0):
+        f = bt.tradeoff_model(path, batch=b)
+        assert f["steps"] > ada["steps"] or f["samples"] > ada["samples"]
+    with pytest.raises(ValueError, match="exactly one"):
+        bt.tradeoff_model(path)
+
+
+def test_noise_scale_from_loss_equals_exact_on_isotropic_problem():
+    p = bt.LinearRegressionProblem(12, noise=0.3, seed=2)
+    w = torch.linspace(-2, 2, 12, dtype=torch.float64)
+    assert p.b_simple_from_loss(p.loss(w)) == pytest.approx(p.b_simple(w), rel=1e-12)
+    with pytest.raises(ValueError, match="isotropic"):
+        bt.LinearRegressionProblem(2, h=[1.0, 2.0]).b_simple_from_loss(1.0)
 
 
 # --------------------------------------------------------------------------- controller
