@@ -84,7 +84,7 @@ __all__ = ["expected_cosine", "controller_fixed_point", "adascale_gain",
            "LinearRegressionProblem", "RegressionTask", "DigitsTask", "half_gradients",
            "half_groups", "worker_half_gradients", "METHODS", "LR_SCALINGS", "History",
            "train", "worker_train", "probe_bytes", "samples_to_target", "monte_carlo_halves",
-           "measure_noise_scale", "batch_sweep", "tradeoff_model", "bench"]
+           "measure_noise_scale", "batch_sweep", "tradeoff_model", "frontier_samples", "bench"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -783,61 +783,62 @@ def batch_sweep(model: nn.Module, task, batches: Sequence[int], lrs: Sequence[fl
 
 
 def tradeoff_model(b_noise: Sequence[float], *, batch: float | None = None,
-                   factor: float | None = None) -> dict:
+                   factor: float | None = None, power: float = 1.0) -> dict:
     """Modeled steps and examples of a whole run whose noise scale changes: ``b_noise[i]``
     is the noise scale during the ``i``-th of ``len(b_noise)`` equal pieces of the run's
     ``S_min`` (each piece takes 1 step at infinite batch). A piece at noise scale ``b``
     with batch ``B`` takes ``1 + b / B`` steps of ``B`` examples (McCandlish's
     ``S = S_min (1 + B_noise / B)``, piece by piece). Either a fixed ``batch``, or an
-    adaptive one ``B = factor x b_noise`` (what a controller tracking the noise scale
-    holds: SimiGrad's target ``s`` gives ``factor = 2 s / (1 - s)``). Returns
-    ``{"steps", "samples", "batch": per piece}``."""
+    adaptive one ``B = factor x b^power``. ``power = 1`` is what a controller tracking the
+    noise scale holds (SimiGrad's target ``s`` gives ``factor = 2 s / (1 - s)``).
+
+    Two consequences, both exact in this model: tracking ``B = k b`` costs ``(1 + 1/k)
+    S_min`` steps and ``(1 + k) E_min`` examples, *the same* as the fixed batch ``k`` x
+    mean(``b``); and the schedule that minimises ``steps + lambda x examples`` is
+    ``B ~ sqrt(b)`` (``d/dB [b/B + lambda B] = 0``), ``power = 0.5``, which beats every
+    fixed batch when ``b`` varies. Returns ``{"steps", "samples", "batch": per piece}``."""
     bn = [check_float("b_noise[i]", b, lo=0, lo_open=True) for b in b_noise]
     if not bn:
         raise ValueError("b_noise must not be empty")
     if (batch is None) == (factor is None):
         raise ValueError("give exactly one of batch (fixed) and factor (adaptive)")
+    power = check_float("power", power, lo=0, lo_open=True)
     if batch is not None:
         bs = [check_float("batch", batch, lo=0, lo_open=True)] * len(bn)
     else:
         f = check_float("factor", factor, lo=0, lo_open=True)
-        bs = [f * b for b in bn]
+        bs = [f * b**power for b in bn]
     steps = [1 + b / big for b, big in zip(bn, bs, strict=True)]
     return {"steps": sum(steps), "samples": sum(s * big for s, big in zip(steps, bs,
                                                                            strict=True)),
             "batch": bs}
 
 
-# The bench's runs on digits: (label, train arguments); each gets the best learning rate of
-# the grid (fewest samples to the target loss), as a user tuning each setting would.
-_BENCH_RUNS = (("fixed batch 16", {"method": "fixed", "batch": 16}),
-               ("fixed batch 256", {"method": "fixed", "batch": 256}),
-               ("SimiGrad from 16", {"method": "simigrad", "batch": 16, "lr_scaling": "gain"}),
-               ("AdaScale 16 x 16", {"method": "adascale", "batch": 256, "base_batch": 16}))
-
-
-def _best_run(model: nn.Module, task, kwargs: dict, lrs: Sequence[float], target_loss: float,
-              steps: int) -> tuple[float, History] | None:
-    import copy
-
-    best = None
-    for lr in lrs:
-        h = train(copy.deepcopy(model), task, lr=lr, steps=steps, target_loss=target_loss,
-                  max_batch=1024, **kwargs)
-        hit = samples_to_target(h, target_loss)
-        if hit is not None and (best is None or hit[1] < samples_to_target(best[1],
-                                                                           target_loss)[1]):
-            best = (lr, h)
-    return best
+def frontier_samples(rows: Sequence[dict], steps: float) -> float | None:
+    """Examples a fixed batch needs to reach the target in ``steps`` steps, interpolated
+    (log-log, between neighbouring batches) on the measured rows of :func:`batch_sweep`;
+    None when ``steps`` lies outside the swept range."""
+    pts = sorted((r["steps"], r["samples"]) for r in rows if r["steps"] is not None)
+    steps = check_float("steps", steps, lo=0, lo_open=True)
+    for (s0, e0), (s1, e1) in zip(pts, pts[1:], strict=False):
+        if s0 <= steps <= s1:
+            if s1 == s0:
+                return float(min(e0, e1))
+            t = math.log(steps / s0) / math.log(s1 / s0)
+            return math.exp(math.log(e0) + t * math.log(e1 / e0))
+    return None
 
 
 def bench(device: torch.device, quick: bool) -> list:
-    """Rows for ``python -m parlearn.bench batching``: examples and steps to a target
-    training loss on digits (an MLP 64-64-10, plain SGD), each method at its best learning
-    rate of a grid: SimiGrad (from batch 16) against a fixed batch of 256 (examples) and of
-    16 (steps). The ratios are counts, not times: baseline count / SimiGrad's count. The
-    SimiGrad run is repeated on 2 real gloo ranks to check it takes the same batches.
-    ``device`` is not used: the counts do not depend on it."""
+    """Rows for ``python -m parlearn.bench batching``: examples to a target training loss
+    on digits (an MLP 64-64-10, plain SGD, every run at its best learning rate of a grid),
+    SimiGrad (from batch 16) and AdaScale (16 x 16) against the fixed-batch frontier: the
+    examples a fixed batch needs to reach the target in as many steps, interpolated on a
+    measured sweep of fixed batches. Ratio = frontier examples / method's examples
+    (counts, not times; > 1: the adaptive method beats every fixed batch); when the
+    method took fewer steps than any fixed batch, the row compares steps instead. SimiGrad is
+    repeated on 2 real gloo ranks to check it takes the same batches. ``device`` is not
+    used: the counts do not depend on it."""
     import copy
 
     from .bench import Row
@@ -848,32 +849,49 @@ def bench(device: torch.device, quick: bool) -> list:
     task = DigitsTask(digits(), seed=0)
     model = mlp([64, 64, 10], seed=0)
     target_loss = 0.15
-    lrs = (0.4, 0.8) if quick else (0.1, 0.2, 0.4, 0.8, 1.6)
-    best = {label: _best_run(model, task, kw, lrs, target_loss, 1500)
-            for label, kw in _BENCH_RUNS}
-    missing = [k for k, v in best.items() if v is None]
-    if missing:
-        raise RuntimeError(f"{missing} did not reach loss {target_loss} with lr in {lrs}")
-    hit = {k: samples_to_target(v[1], target_loss) for k, v in best.items()}
-    lr_s, h_s = best["SimiGrad from 16"]
-    ranks = run(worker_train, 2, args=(copy.deepcopy(model), task,
-                                       {"method": "simigrad", "batch": 16, "lr": lr_s,
-                                        "steps": h_s.steps, "lr_scaling": "gain",
-                                        "max_batch": 1024, "target_loss": target_loss}),
-                timeout=120)[0]
-    same = ranks.batch == h_s.batch
-    summary = "; ".join(f"{k}: lr {best[k][0]}, {hit[k][0]} steps, {hit[k][1]} examples"
-                        for k in best)
-    dev = "counted (device-independent); digits MLP, SGD"
-    detail = (f"target training loss {target_loss}; {summary}. SimiGrad on 2 gloo ranks took "
-              f"{'the same' if same else 'DIFFERENT'} batches ({len(ranks.batch)} steps, final "
-              f"batch {ranks.batch[-1]}).")
-    s = hit["SimiGrad from 16"]
-    return [
-        Row("batching", "fixed batch 256: examples to target", "SimiGrad from 16 (examples)",
-            hit["fixed batch 256"][1] / s[1], dev, target="> 1 (fewer examples)",
-            met=hit["fixed batch 256"][1] > s[1] and same, detail=detail),
-        Row("batching", "fixed batch 16: steps to target", "SimiGrad from 16 (steps)",
-            hit["fixed batch 16"][0] / s[0], dev, target="> 1 (fewer steps)",
-            met=hit["fixed batch 16"][0] > s[0] and same),
-    ]
+    lrs = (0.4, 0.8) if quick else (0.1, 0.2, 0.4, 0.8, 1.2)
+    sweep = batch_sweep(model, task, (8, 16, 32, 64, 128, 256) if quick
+                        else (8, 16, 32, 64, 128, 256, 512), lrs, target_loss, steps=1500)
+    methods = {"SimiGrad from 16": {"method": "simigrad", "batch": 16, "lr_scaling": "gain"},
+               "AdaScale 16 x 16": {"method": "adascale", "batch": 256, "base_batch": 16}}
+    rows, notes = [], []
+    for label, kw in methods.items():
+        best = None
+        for lr in lrs:
+            h = train(copy.deepcopy(model), task, lr=lr, steps=1500, target_loss=target_loss,
+                      max_batch=1024, **kw)
+            hit = samples_to_target(h, target_loss)
+            if hit is not None and (best is None or hit[1] < best[2][1]):
+                best = (lr, h, hit)
+        if best is None:
+            raise RuntimeError(f"{label} did not reach loss {target_loss} with lr in {lrs}")
+        lr, h, (steps, samples) = best
+        front = frontier_samples(sweep["rows"], steps)
+        same = None
+        if kw["method"] == "simigrad":
+            ranks = run(worker_train, 2, args=(copy.deepcopy(model), task,
+                                               {**kw, "lr": lr, "steps": h.steps,
+                                                "max_batch": 1024, "target_loss": target_loss}),
+                        timeout=120)[0]
+            same = ranks.batch == h.batch
+            notes.append(f"SimiGrad on 2 gloo ranks took {'the same' if same else 'DIFFERENT'}"
+                         f" batches")
+        notes.append(f"{label}: lr {lr}, {steps} steps, {samples} examples, batches "
+                     f"{min(h.batch)}-{max(h.batch)}")
+        dev = "counted (device-independent); digits MLP, SGD"
+        fewest = min(r["steps"] for r in sweep["rows"] if r["steps"] is not None)
+        if front is not None:
+            rows.append(Row("batching", "fixed-batch frontier: examples at equal steps",
+                            f"{label} (examples)", front / samples, dev,
+                            target="> 1 beats every fixed batch",
+                            met=front > samples and same is not False))
+        else:   # outside the swept range: compare steps with the fewest any fixed batch took
+            rows.append(Row("batching", "fixed batches: fewest steps to target",
+                            f"{label} (steps)", fewest / steps, dev,
+                            target="> 1 fewer steps than any fixed batch",
+                            met=fewest > steps and same is not False))
+    fixed = "; ".join(f"B={r['batch']}: {r['steps']} steps, {r['samples']} ex (lr {r['lr']})"
+                      for r in sweep["rows"])
+    rows[0].detail = (f"target training loss {target_loss}. Fixed batches (best lr): {fixed}; "
+                      f"fit B_crit = {sweep['fit']['b_crit']:.0f}. " + "; ".join(notes) + ".")
+    return rows

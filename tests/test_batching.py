@@ -145,12 +145,25 @@ def test_tradeoff_model_piecewise_and_adaptive():
     ada = bt.tradeoff_model(path, factor=k)
     assert ada["steps"] == pytest.approx((1 + 1 / k) * len(path))
     assert ada["samples"] == pytest.approx((1 + k) * sum(path))
-    # on a growing path every fixed batch with as few steps costs more examples
-    for b in (20.0, 60.0, 120.0, 300.0):
-        f = bt.tradeoff_model(path, batch=b)
-        assert f["steps"] > ada["steps"] or f["samples"] > ada["samples"]
+    # ... indeed exactly the fixed batch k x mean(b): tracking the noise scale buys nothing
+    mean_fixed = bt.tradeoff_model(path, batch=k * sum(path) / len(path))
+    assert mean_fixed["steps"] == pytest.approx(ada["steps"])
+    assert mean_fixed["samples"] == pytest.approx(ada["samples"])
+    # B ~ sqrt(b) beats the fixed batch of equal steps on examples
+    sq = bt.tradeoff_model(path, factor=10.0, power=0.5)
+    b_eq = sum(path) / (sq["steps"] - len(path))       # fixed batch with the same steps
+    eq = bt.tradeoff_model(path, batch=b_eq)
+    assert eq["steps"] == pytest.approx(sq["steps"]) and eq["samples"] > 1.01 * sq["samples"]
     with pytest.raises(ValueError, match="exactly one"):
         bt.tradeoff_model(path)
+
+
+def test_frontier_interpolates_between_measured_batches():
+    rows = [{"steps": 100, "samples": 1000}, {"steps": 50, "samples": 4000},
+            {"steps": None, "samples": None}]
+    assert bt.frontier_samples(rows, 100) == pytest.approx(1000)
+    assert bt.frontier_samples(rows, math.sqrt(100 * 50)) == pytest.approx(2000)   # log-log
+    assert bt.frontier_samples(rows, 40) is None and bt.frontier_samples(rows, 120) is None
 
 
 def test_noise_scale_from_loss_equals_exact_on_isotropic_problem():
