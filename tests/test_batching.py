@@ -245,6 +245,22 @@ def test_training_on_ranks_equals_one_process(world_size, method):
         assert len(set(ref.batch)) > 1            # the controller did move the batch
     else:
         assert len({round(v, 9) for v in ref.lr}) > 1   # the gain did move the rate
+        for lr, b_simple in zip(ref.lr, ref.b_simple, strict=True):   # lr = base lr x gain
+            gain = (16 / 4 if not math.isfinite(b_simple)
+                    else bt.adascale_gain_from_b_simple(max(b_simple, 0.0), 4, 16))
+            assert lr == pytest.approx(0.5 * gain, rel=1e-12)
+            assert 0.5 <= lr <= 0.5 * 16 / 4 + 1e-12
+
+
+def test_one_step_is_sgd_on_the_full_batch_mean():
+    p = bt.LinearRegressionProblem(5, noise=0.3, seed=0)
+    task = bt.RegressionTask(p, seed=4)
+    h = bt.train(p.model(), task, method="fixed", steps=1, lr=0.1, batch=8)
+    x, y = task.draw(0, 8)
+    w = torch.zeros(5, dtype=torch.float64)
+    g = (x * (x @ w - y)[:, None]).mean(0)
+    assert torch.allclose(h.params["weight"].reshape(-1), w - 0.1 * g, rtol=0, atol=1e-14)
+    assert h.samples == [8] and h.loss[1] == pytest.approx(p.loss(w - 0.1 * g))
 
 
 # --------------------------------------------------------------------------- hygiene
