@@ -68,6 +68,7 @@ process) vs :func:`worker_train` (real ranks, the same sampling), equal to round
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -77,6 +78,7 @@ import torch.distributed as tdist
 from torch import nn
 
 from .checks import check_choice, check_float, check_int, check_module, check_tensor
+from .datasets import Split
 
 __all__ = ["expected_cosine", "controller_fixed_point", "adascale_gain",
            "adascale_gain_from_b_simple", "steps_samples_model", "critical_batch_fit",
@@ -413,7 +415,7 @@ class DigitsTask:
     drawn with replacement (from ``seed`` and the step, identically on every rank);
     cross-entropy; the evaluated loss is the mean over the whole training split."""
 
-    split: object
+    split: Split
     seed: int = 0
 
     def draw(self, step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -703,14 +705,13 @@ def worker_train(rank: int, world_size: int, model: nn.Module, task, kwargs: dic
     ``B / (W micro)`` micro-batches under ``no_sync``, its half's group all-reduces, the
     partners exchange halves; every rank then holds the same ``a``, ``b`` and takes the
     same step and the same controller decision. Returns the history (every rank's is the
-    same) with the ledger's payload bytes of the last step by kind under ``"bytes"``."""
+    same), its ``bytes`` the ledger's payload bytes of the last step by kind of collective."""
     check_module("model", model)
     if "world_size" in kwargs and kwargs["world_size"] != world_size:
         raise ValueError(f"kwargs world_size={kwargs['world_size']} differs from the run's "
                          f"{world_size}")
-    args = {"method": "simigrad", "steps": 100, "lr": 0.1, "batch": 32, "base_batch": None,
-            "target": 0.5, "step": 0.1, "lr_scaling": "gain", "max_batch": 4096, "decay": 0.9,
-            "micro": 1, "target_loss": None}
+    args = {k: p.default for k, p in inspect.signature(train).parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and k != "world_size"}
     unknown = set(kwargs) - set(args) - {"world_size"}
     if unknown:
         raise ValueError(f"unknown train arguments {sorted(unknown)}; allowed {sorted(args)}")
