@@ -56,6 +56,8 @@ BENCHES: dict[str, tuple[str, str]] = {
                  "1F1B bubble measured vs (P-1)/(M+P-1); balanced vs equal split"),
     "tensor_parallel": ("parlearn.tensor_parallel",
                         "Megatron block and planned tilings: counted vs modeled comm bytes"),
+    "batching": ("parlearn.batching",
+                 "examples and steps to a target loss: SimiGrad vs fixed batches (counted)"),
     # Part 2: breaking backprop's serial chain
     "leapfrog": ("parlearn.leapfrog",
                  "backward schedules on a deep narrow MLP: leapfrog/segments vs serial"),
