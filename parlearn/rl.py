@@ -17,6 +17,7 @@ JAX is imported inside the functions, so ``import parlearn.rl`` does not start i
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -256,13 +257,15 @@ class PPOConfig:
 class PPOResult:
     """Curves of one training run; ``wall_s`` excludes compile time (``compile_s``).
 
-    ``returns[i]`` is the mean return of the episodes that ended during update ``i``
-    (NaN if none did).
+    ``returns[i]`` is the mean return of the training episodes that ended in chunk ``i``
+    (NaN if none did); ``eval_returns[i]`` the mean return of the policy evaluated after
+    chunk ``i`` (NaN without ``eval_episodes``). Index 0 is before training.
     """
 
     params: dict
     env_steps: np.ndarray
     returns: np.ndarray
+    eval_returns: np.ndarray
     wall_s: np.ndarray
     compile_s: float
     config: PPOConfig
@@ -354,13 +357,15 @@ def _make_update(env: Env, cfg: PPOConfig):
 
 
 def train_ppo(env: Env, config: PPOConfig | None = None, *, seed: int = 0,
-              records: int | None = None) -> PPOResult:
+              records: int | None = None, eval_episodes: int = 0) -> PPOResult:
     """Train a PPO policy on ``config.num_envs`` batched copies of ``env``.
 
     Every update: a rollout of ``num_steps`` steps of all copies (phase 1), GAE (phase 2),
     ``epochs`` x ``minibatches`` Adam steps on the clipped loss (phase 3). The update is
-    compiled before the clock starts; updates run ``records`` at a time (default: one),
-    and the wall time is read between them. Seeded: same arguments, same policy.
+    compiled before the clock starts; updates run in ``records`` chunks (default: one
+    update per chunk), and the wall time is read between them. With ``eval_episodes > 0``
+    the policy is also evaluated at every chunk boundary (:func:`evaluate`, same seed each
+    time) with the clock stopped. Seeded: same arguments, same policy.
     """
     import jax
     import jax.numpy as jnp
@@ -371,8 +376,8 @@ def train_ppo(env: Env, config: PPOConfig | None = None, *, seed: int = 0,
     if not isinstance(cfg, PPOConfig):
         raise TypeError(f"config must be a PPOConfig, got {type(cfg).__name__}")
     check_int("seed", seed, lo=0)
-    per_call = 1 if records is None else max(1, cfg.updates // check_int("records", records,
-                                                                         lo=1))
+    check_int("eval_episodes", eval_episodes, lo=0)
+    per_call = 1 if records is None else -(-cfg.updates // check_int("records", records, lo=1))
     key = jax.random.key(seed)
     k_params, k_env, k_run = jax.random.split(key, 3)
     params = init_policy(k_params, env.obs_dim, env.n_actions, cfg.hidden)
@@ -380,6 +385,40 @@ def train_ppo(env: Env, config: PPOConfig | None = None, *, seed: int = 0,
     zeros = jax.tree.map(jnp.zeros_like, params)
     carry = {"params": params, "opt": {"m": zeros, "v": zeros, "count": jnp.zeros(())},
              "obs": obs, "state": state, "ep_ret": jnp.zeros(cfg.num_envs), "key": k_run}
+    run = _ppo_program(env, cfg, per_call)
+
+    def policy_return() -> float:
+        if not eval_episodes:
+            return np.nan
+        return float(evaluate(env, carry["params"], episodes=eval_episodes, seed=seed).mean())
+
+    # A call with no updates compiles the program (or finds it in jit's cache): its time is
+    # reported apart, never mixed into the throughput.
+    t0 = time.perf_counter()
+    jax.block_until_ready(run(carry, 0, 0))
+    compile_s = time.perf_counter() - t0
+    steps, returns, evals, wall = [0], [np.nan], [policy_return()], [0.0]
+    elapsed = 0.0
+    for start in range(0, cfg.updates, per_call):
+        stop = min(start + per_call, cfg.updates)
+        t0 = time.perf_counter()
+        carry, rets = run(carry, start, stop)
+        rets = np.asarray(rets)[: stop - start]  # waits for the updates to finish
+        elapsed += time.perf_counter() - t0
+        wall.append(elapsed)
+        returns.append(float(np.nanmean(rets)) if np.isfinite(rets).any() else np.nan)
+        evals.append(policy_return())
+        steps.append(stop * cfg.num_envs * cfg.num_steps)
+    return PPOResult(carry["params"], np.array(steps), np.array(returns), np.array(evals),
+                     np.array(wall), compile_s, cfg, env.name, str(jax.devices()[0]))
+
+
+@functools.lru_cache(maxsize=16)
+def _ppo_program(env: Env, cfg: PPOConfig, per_call: int):
+    """``run(carry, start, stop)``: updates ``start..stop-1`` in one jitted loop (cached)."""
+    import jax
+    import jax.numpy as jnp
+
     update = _make_update(env, cfg)
 
     def run(carry, start, stop):
@@ -389,20 +428,7 @@ def train_ppo(env: Env, config: PPOConfig | None = None, *, seed: int = 0,
             return c, ret.at[i - start].set(r)
         return jax.lax.fori_loop(start, stop, body, (carry, jnp.full(per_call, jnp.nan)))
 
-    t0 = time.perf_counter()
-    compiled = jax.jit(run).lower(carry, 0, 1).compile()
-    compile_s = time.perf_counter() - t0
-    steps, returns, wall = [0], [np.nan], [0.0]
-    t0 = time.perf_counter()
-    for start in range(0, cfg.updates, per_call):
-        stop = min(start + per_call, cfg.updates)
-        carry, rets = compiled(carry, start, stop)
-        rets = np.asarray(rets)[: stop - start]  # waits for the updates to finish
-        wall.append(time.perf_counter() - t0)
-        returns.append(float(np.nanmean(rets)) if np.isfinite(rets).any() else np.nan)
-        steps.append(stop * cfg.num_envs * cfg.num_steps)
-    return PPOResult(carry["params"], np.array(steps), np.array(returns), np.array(wall),
-                     compile_s, cfg, env.name, str(jax.devices()[0]))
+    return jax.jit(run)
 
 
 def evaluate(env: Env, params: dict | None, *, episodes: int = 64, max_steps: int = 500,
@@ -412,36 +438,51 @@ def evaluate(env: Env, params: dict | None, *, episodes: int = 64, max_steps: in
     Actions are sampled from the policy; ``params=None`` acts uniformly at random.
     """
     import jax
-    import jax.numpy as jnp
 
     check_int("episodes", episodes, lo=1)
     check_int("max_steps", max_steps, lo=1)
     check_int("seed", seed, lo=0)
-    k_env, k_run = jax.random.split(jax.random.key(seed))
-    obs, state = jax.vmap(env.reset)(jax.random.split(k_env, episodes))
+    return np.asarray(_evaluator(env, episodes, max_steps, params is None)(
+        params, jax.random.key(seed)))
 
-    def step(carry, key):
-        obs, state, total, alive = carry
-        k_act, k_env = jax.random.split(key)
-        logits = (jnp.zeros((episodes, env.n_actions)) if params is None
-                  else policy_logits_value(params, obs)[0])
-        action = jax.random.categorical(k_act, logits)
-        obs, state, r, term, trunc, _ = batch_step(env, jax.random.split(k_env, episodes),
-                                                   state, action)
-        total = total + alive * r
-        return (obs, state, total, alive & ~(term | trunc)), None
 
-    carry = (obs, state, jnp.zeros(episodes), jnp.ones(episodes, bool))
-    (_, _, total, _), _ = jax.jit(lambda c: jax.lax.scan(
-        step, c, jax.random.split(k_run, max_steps)))(carry)
-    return np.asarray(total)
+@functools.lru_cache(maxsize=16)
+def _evaluator(env: Env, episodes: int, max_steps: int, random_policy: bool):
+    import jax
+    import jax.numpy as jnp
+
+    def run(params, key):
+        k_env, k_run = jax.random.split(key)
+        obs, state = jax.vmap(env.reset)(jax.random.split(k_env, episodes))
+
+        def step(carry, key):
+            obs, state, total, alive = carry
+            k_act, k_env = jax.random.split(key)
+            logits = (jnp.zeros((episodes, env.n_actions)) if random_policy
+                      else policy_logits_value(params, obs)[0])
+            action = jax.random.categorical(k_act, logits)
+            obs, state, r, term, trunc, _ = batch_step(env, jax.random.split(k_env, episodes),
+                                                       state, action)
+            total = total + alive * r
+            return (obs, state, total, alive & ~(term | trunc)), None
+
+        carry = (obs, state, jnp.zeros(episodes), jnp.ones(episodes, bool))
+        (_, _, total, _), _ = jax.lax.scan(step, carry, jax.random.split(k_run, max_steps))
+        return total
+
+    return jax.jit(run)
 
 
 def time_to_target(result: PPOResult, target: float) -> tuple[float, int] | None:
-    """(wall seconds, env steps) when the mean finished return first reached ``target``,
-    or None if it never did."""
+    """(wall seconds, env steps) when the return first reached ``target``, or None.
+
+    Uses the evaluated returns when the run has them (``eval_episodes > 0``), else the
+    mean return of finished training episodes.
+    """
     check_float("target", target)
-    hit = np.flatnonzero(np.nan_to_num(result.returns, nan=-np.inf) >= target)
+    curve = (result.eval_returns if np.isfinite(result.eval_returns).any()
+             else result.returns)
+    hit = np.flatnonzero(np.nan_to_num(curve, nan=-np.inf) >= target)
     return None if hit.size == 0 else (float(result.wall_s[hit[0]]), int(result.env_steps[hit[0]]))
 
 
@@ -457,7 +498,6 @@ def env_steps_per_second(env: Env, num_envs, *, steps: int = 64, repeat: int = 5
     "steps_per_s", "spread", "compile_s", "device", "mode"}``.
     """
     import jax
-    import jax.numpy as jnp
 
     from .timing import measure
 
@@ -467,35 +507,45 @@ def env_steps_per_second(env: Env, num_envs, *, steps: int = 64, repeat: int = 5
     sizes = [check_int("num_envs[i]", n, lo=1) for n in num_envs]
     if not sizes:
         raise ValueError("num_envs must hold at least one size")
-    params = init_policy(jax.random.key(seed), env.obs_dim, env.n_actions)
     out: dict = {"num_envs": sizes, "steps_per_s": [], "spread": [], "compile_s": [],
                  "device": str(jax.devices()[0]), "mode": mode}
     for n in sizes:
-        def rollout(obs, state, key, n=n):
-            def step(carry, key):
-                obs, state = carry
-                k_act, k_env = jax.random.split(key)
-                logits = (policy_logits_value(params, obs)[0] if mode == "policy"
-                          else jnp.zeros((n, env.n_actions)))
-                action = jax.random.categorical(k_act, logits)
-                obs, state, *_ = batch_step(env, jax.random.split(k_env, n), state, action)
-                return (obs, state), None
-            return jax.lax.scan(step, (obs, state), jax.random.split(key, steps))[0]
-
-        obs, state = jax.vmap(env.reset)(jax.random.split(jax.random.key(seed), n))
-        key = jax.random.key(seed + 1)
         t0 = time.perf_counter()
-        fn = jax.jit(rollout).lower(obs, state, key).compile()
+        call = _rollout(env, n, steps, mode, seed)
         out["compile_s"].append(time.perf_counter() - t0)
-        t = measure(lambda fn=fn, obs=obs, state=state: jax.block_until_ready(
-            fn(obs, state, key)), warmup=1, repeat=repeat)
+        t = measure(call, warmup=1, repeat=repeat)
         out["steps_per_s"].append(n * steps / t.median)
         out["spread"].append(t.spread)
     return out
 
 
+def _rollout(env: Env, n: int, steps: int, mode: str, seed: int) -> Callable[[], Any]:
+    """A compiled rollout of ``steps`` steps of ``n`` copies, as a zero-argument call."""
+    import jax
+    import jax.numpy as jnp
+
+    params = init_policy(jax.random.key(seed), env.obs_dim, env.n_actions)
+
+    def rollout(obs, state, key):
+        def step(carry, key):
+            obs, state = carry
+            k_act, k_env = jax.random.split(key)
+            logits = (policy_logits_value(params, obs)[0] if mode == "policy"
+                      else jnp.zeros((n, env.n_actions)))
+            action = jax.random.categorical(k_act, logits)
+            obs, state, *_ = batch_step(env, jax.random.split(k_env, n), state, action)
+            return (obs, state), None
+        return jax.lax.scan(step, (obs, state), jax.random.split(key, steps))[0]
+
+    obs, state = jax.vmap(env.reset)(jax.random.split(jax.random.key(seed), n))
+    key = jax.random.key(seed + 1)
+    fn = jax.jit(rollout).lower(obs, state, key).compile()
+    return lambda: jax.block_until_ready(fn(obs, state, key))
+
+
 def bench(device, quick: bool) -> list:
-    """Cart-pole rollout env-steps/s (policy + env): 4096 batched copies vs 1.
+    """Cart-pole rollout with policy inference: ``big`` batched copies for ``T`` steps vs one
+    copy for ``big * T`` steps (the same env-steps), timed interleaved.
 
     JAX runs on its default device (CPU here); ``device`` names the torch device of the
     other benches and is not used.
@@ -503,13 +553,20 @@ def bench(device, quick: bool) -> list:
     import jax
 
     from .bench import Row
+    from .timing import compare
 
-    big = 1024 if quick else 4096
-    r = env_steps_per_second(cartpole(), [1, big], steps=32 if quick else 128,
-                             repeat=3 if quick else 7)
-    ratio = r["steps_per_s"][1] / r["steps_per_s"][0]
-    return [Row("rl", "cart-pole rollout, 1 env (jit)", f"vmap {big} envs", ratio,
+    env, big, steps = cartpole(), (1024 if quick else 4096), 32
+    t0 = time.perf_counter()
+    calls = {"1 env": _rollout(env, 1, big * steps, "policy", 0),
+             f"{big} envs": _rollout(env, big, steps, "policy", 0)}
+    compile_s = time.perf_counter() - t0
+    cmp = compare(calls, repeat=3 if quick else 7)
+    lo, hi = cmp.speedup_range(f"{big} envs")
+    work = big * steps
+    return [Row("rl", f"cart-pole rollout, 1 env x {work} steps (jit)",
+                f"vmap {big} envs x {steps} steps", cmp.speedup(f"{big} envs"),
                 str(jax.devices()[0]),
-                detail=(f"{r['steps_per_s'][0]:.3g} vs {r['steps_per_s'][1]:.3g} env-steps/s "
-                        f"with policy inference; compile {sum(r['compile_s']):.2f} s excluded; "
-                        f"spread {max(r['spread']):.0%}"))]
+                detail=(f"{work / cmp.timings['1 env'].median:.3g} vs "
+                        f"{work / cmp.timings[f'{big} envs'].median:.3g} env-steps/s with policy "
+                        f"inference; IQR {lo:.1f}-{hi:.1f}x; compile {compile_s:.2f} s excluded"
+                        + ("" if cmp.reliable else "; UNRELIABLE: busy cores")))]
