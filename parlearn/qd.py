@@ -438,12 +438,11 @@ def evals_per_second(task: Task, batch_sizes, *, repeat: int = 5, seed: int = 0,
     return out
 
 
-def bench(device, quick: bool) -> list:
+def _bench_rows(quick: bool) -> list:
     """Arm scoring of ``big`` genotypes: one vmap call vs a Python loop of jitted single
     evaluations (timed interleaved); MAP-Elites QD-score at batch 64 vs 4096, same budget.
 
-    JAX runs on its default device (CPU here); ``device`` names the torch device of the
-    other benches and is not used.
+    Runs in a fresh interpreter through :func:`bench`.
     """
     import jax
 
@@ -478,4 +477,28 @@ def bench(device, quick: bool) -> list:
                             f"{small.qd_score[-1]:.1f} vs {large.qd_score[-1]:.1f}; "
                             f"wall {small.wall_s[-1]:.2f} s vs {large.wall_s[-1]:.2f} s "
                             "(compile excluded)")))
+    return rows
+
+
+def bench(device, quick: bool) -> list:
+    """The rows of :func:`_bench_rows`, measured in a fresh Python process.
+
+    JAX starts threads that make every later ``os.fork`` of this process unsafe (and
+    ``python -m parlearn.bench`` forks gloo ranks for other entries), so JAX runs in a
+    subprocess, on its default device; ``device`` names the torch device of the other
+    benches and is not used.
+    """
+    import json
+    import subprocess
+    import sys
+
+    from .bench import Row
+
+    code = ("import json, sys; from dataclasses import asdict; from parlearn import qd; "
+            "print(json.dumps([asdict(r) for r in qd._bench_rows(sys.argv[1] == '1')]))")
+    done = subprocess.run([sys.executable, "-c", code, "1" if quick else "0"],
+                          capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"the qd bench subprocess failed:\n{done.stderr[-3000:]}")
+    rows = [Row(**r) for r in json.loads(done.stdout.strip().splitlines()[-1])]
     return rows

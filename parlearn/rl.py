@@ -543,12 +543,11 @@ def _rollout(env: Env, n: int, steps: int, mode: str, seed: int) -> Callable[[],
     return lambda: jax.block_until_ready(fn(obs, state, key))
 
 
-def bench(device, quick: bool) -> list:
+def _bench_rows(quick: bool) -> list:
     """Cart-pole rollout with policy inference: ``big`` batched copies for ``T`` steps vs one
     copy for ``big * T`` steps (the same env-steps), timed interleaved.
 
-    JAX runs on its default device (CPU here); ``device`` names the torch device of the
-    other benches and is not used.
+    Runs in a fresh interpreter through :func:`bench`.
     """
     import jax
 
@@ -570,3 +569,27 @@ def bench(device, quick: bool) -> list:
                         f"{work / cmp.timings[f'{big} envs'].median:.3g} env-steps/s with policy "
                         f"inference; IQR {lo:.1f}-{hi:.1f}x; compile {compile_s:.2f} s excluded"
                         + ("" if cmp.reliable else "; UNRELIABLE: busy cores")))]
+
+
+def bench(device, quick: bool) -> list:
+    """The rows of :func:`_bench_rows`, measured in a fresh Python process.
+
+    JAX starts threads that make every later ``os.fork`` of this process unsafe (and
+    ``python -m parlearn.bench`` forks gloo ranks for other entries), so JAX runs in a
+    subprocess, on its default device; ``device`` names the torch device of the other
+    benches and is not used.
+    """
+    import json
+    import subprocess
+    import sys
+
+    from .bench import Row
+
+    code = ("import json, sys; from dataclasses import asdict; from parlearn import rl; "
+            "print(json.dumps([asdict(r) for r in rl._bench_rows(sys.argv[1] == '1')]))")
+    done = subprocess.run([sys.executable, "-c", code, "1" if quick else "0"],
+                          capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"the rl bench subprocess failed:\n{done.stderr[-3000:]}")
+    rows = [Row(**r) for r in json.loads(done.stdout.strip().splitlines()[-1])]
+    return rows
