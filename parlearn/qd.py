@@ -471,8 +471,8 @@ def _bench_rows(quick: bool) -> list:
     small = map_elites(task, batch_size=64, budget=budget, seed=0)
     large = map_elites(task, batch_size=4096, budget=budget, seed=0)
     rel = large.qd_score[-1] / small.qd_score[-1]
-    rows.append(Row("qd", "MAP-Elites batch 64", "batch 4096, same budget", rel, dev,
-                    target="QD-score ratio within 10% (QDax)", met=abs(rel - 1) <= 0.10,
+    rows.append(Row("qd", "MAP-Elites batch 64", "batch 4096, same budget", float(rel), dev,
+                    target="QD-score ratio within 10% (QDax)", met=bool(abs(rel - 1) <= 0.10),
                     detail=(f"ratio of QD-scores, not times; {budget} evaluations: "
                             f"{small.qd_score[-1]:.1f} vs {large.qd_score[-1]:.1f}; "
                             f"wall {small.wall_s[-1]:.2f} s vs {large.wall_s[-1]:.2f} s "
