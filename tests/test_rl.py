@@ -92,7 +92,9 @@ def test_truncation_after_max_steps():
         obs, state, r, term, trunc, final = env.step(jax.random.key(t), state, t % 2)
         flags.append((bool(term), bool(trunc)))
     assert flags == [(False, False)] * 4 + [(False, True)]
-    assert float(state[4]) == 0.0  # a fresh episode after the time-out
+    assert float(state[4]) == 0.0  # a fresh episode after the time-out,
+    np.testing.assert_array_equal(obs, state[:4])  # whose observation is returned
+    assert not np.array_equal(np.asarray(final), np.asarray(obs))  # and the last one kept
 
 
 @pytest.fixture(scope="module")
