@@ -295,7 +295,8 @@ def _ppo_loss(params, batch, cfg: PPOConfig):
 
 
 def _make_update(env: Env, cfg: PPOConfig):
-    """One PPO update as a pure function ``(carry, i) -> (carry, mean finished return)``."""
+    """Pure functions ``rollout(carry, key) -> (carry, traj, adv, ret)`` (phases 1-2) and
+    ``update(carry, i) -> (carry, mean finished return)`` (one whole PPO update)."""
     import jax
     import jax.numpy as jnp
 
@@ -316,10 +317,8 @@ def _make_update(env: Env, cfg: PPOConfig):
         carry = {**carry, "obs": obs2, "state": state2, "ep_ret": jnp.where(done, 0.0, ep_ret)}
         return carry, step
 
-    def update(carry, i):
-        key = jax.random.fold_in(carry["key"], i)
-        k_roll, k_perm = jax.random.split(key)
-        carry, traj = jax.lax.scan(act, carry, jax.random.split(k_roll, cfg.num_steps))
+    def rollout(carry, key):
+        carry, traj = jax.lax.scan(act, carry, jax.random.split(key, cfg.num_steps))
         params = carry["params"]
 
         # Phase 2, advantages: GAE over the rollout, time-outs bootstrapped with V(final obs).
@@ -328,6 +327,13 @@ def _make_update(env: Env, cfg: PPOConfig):
         _, final_values = policy_logits_value(params, traj["final_obs"])
         adv, ret = gae(traj["reward"], traj["value"], next_values, traj["term"],
                        traj["trunc"], final_values, cfg.gamma, cfg.lam)
+        return carry, traj, adv, ret
+
+    def update(carry, i):
+        key = jax.random.fold_in(carry["key"], i)
+        k_roll, k_perm = jax.random.split(key)
+        carry, traj, adv, ret = rollout(carry, k_roll)
+        params = carry["params"]
         flat = {"obs": traj["obs"].reshape(-1, env.obs_dim), "action": traj["action"].reshape(-1),
                 "logp": traj["logp"].reshape(-1), "adv": adv.reshape(-1), "ret": ret.reshape(-1)}
 
@@ -353,7 +359,20 @@ def _make_update(env: Env, cfg: PPOConfig):
                                 jnp.nan)
         return {**carry, "params": params, "opt": opt}, mean_return
 
-    return update
+    return rollout, update
+
+
+def _init_carry(env: Env, cfg: PPOConfig, seed: int) -> dict:
+    """Initial policy, optimiser state and environments of a run."""
+    import jax
+    import jax.numpy as jnp
+
+    k_params, k_env, k_run = jax.random.split(jax.random.key(seed), 3)
+    params = init_policy(k_params, env.obs_dim, env.n_actions, cfg.hidden)
+    obs, state = jax.vmap(env.reset)(jax.random.split(k_env, cfg.num_envs))
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return {"params": params, "opt": {"m": zeros, "v": zeros, "count": jnp.zeros(())},
+            "obs": obs, "state": state, "ep_ret": jnp.zeros(cfg.num_envs), "key": k_run}
 
 
 def train_ppo(env: Env, config: PPOConfig | None = None, *, seed: int = 0,
@@ -368,7 +387,6 @@ def train_ppo(env: Env, config: PPOConfig | None = None, *, seed: int = 0,
     time) with the clock stopped. Seeded: same arguments, same policy.
     """
     import jax
-    import jax.numpy as jnp
 
     if not isinstance(env, Env):
         raise TypeError(f"env must be a parlearn.rl.Env, got {type(env).__name__}")
@@ -378,13 +396,7 @@ def train_ppo(env: Env, config: PPOConfig | None = None, *, seed: int = 0,
     check_int("seed", seed, lo=0)
     check_int("eval_episodes", eval_episodes, lo=0)
     per_call = 1 if records is None else -(-cfg.updates // check_int("records", records, lo=1))
-    key = jax.random.key(seed)
-    k_params, k_env, k_run = jax.random.split(key, 3)
-    params = init_policy(k_params, env.obs_dim, env.n_actions, cfg.hidden)
-    obs, state = jax.vmap(env.reset)(jax.random.split(k_env, cfg.num_envs))
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    carry = {"params": params, "opt": {"m": zeros, "v": zeros, "count": jnp.zeros(())},
-             "obs": obs, "state": state, "ep_ret": jnp.zeros(cfg.num_envs), "key": k_run}
+    carry = _init_carry(env, cfg, seed)
     run = _ppo_program(env, cfg, per_call)
 
     def policy_return() -> float:
@@ -419,7 +431,7 @@ def _ppo_program(env: Env, cfg: PPOConfig, per_call: int):
     import jax
     import jax.numpy as jnp
 
-    update = _make_update(env, cfg)
+    _, update = _make_update(env, cfg)
 
     def run(carry, start, stop):
         def body(i, c):

@@ -97,6 +97,21 @@ def test_truncation_after_max_steps():
     assert not np.array_equal(np.asarray(final), np.asarray(obs))  # and the last one kept
 
 
+def test_ppo_rollout_advantages_equal_reference():
+    # The wiring inside PPO: values of the next and the final observations go to the right
+    # slots of GAE. A 15-step limit puts time-outs inside the 40-step rollout.
+    env, cfg = rl.cartpole(max_steps=15), rl.PPOConfig(num_envs=4, num_steps=40)
+    carry = rl._init_carry(env, cfg, 0)
+    rollout, _ = rl._make_update(env, cfg)
+    new, traj, adv, _ = jax.jit(rollout)(carry, jax.random.key(1))
+    value = jax.jit(lambda o: rl.policy_logits_value(carry["params"], o)[1])
+    next_obs = jnp.concatenate([traj["obs"][1:], new["obs"][None]])
+    adv_ref, _ = rl.gae_loop(traj["reward"], value(traj["obs"]), value(next_obs), traj["term"],
+                             traj["trunc"], value(traj["final_obs"]), cfg.gamma, cfg.lam)
+    assert bool(traj["trunc"].any()) and bool(traj["term"].any())
+    np.testing.assert_allclose(adv, adv_ref, rtol=1e-4, atol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def trained():
     if not INNER:
