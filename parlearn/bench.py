@@ -68,6 +68,9 @@ BENCHES: dict[str, tuple[str, str]] = {
     # Part 3: many copies at once
     "dither": ("parlearn.dither",
                "P=64 noisy copies: one batched forward/backward vs a loop over copies"),
+    "qd": ("parlearn.qd",
+           "arm evaluations/s: vmap batch 4096 vs 1; MAP-Elites QD-score, batch 4096 vs 64"),
+    "rl": ("parlearn.rl", "cart-pole env-steps/s (policy + env): 4096 batched envs vs 1"),
     "eigengame": ("parlearn.eigengame",
                   "EigenGame samples/s: batched vs batch-1; 8 fake devices vs 1 (JAX)"),
     "decoding": ("parlearn.decoding",
