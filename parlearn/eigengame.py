@@ -29,11 +29,14 @@ M_B's, so its minibatch mean differs from the full-batch direction (biased, by O
 :func:`minibatch_bias` measures both by Monte Carlo. (The retraction is nonlinear, so a
 *step* is unbiased only to first order in ``lr``; the claim is about the direction.)
 
-Linearity is also what makes data parallelism exact: ``M_B v = sum_r X_r^T X_r v / b`` over
-the devices' row blocks ``X_r``, one ``psum``. :func:`fit_sharded` runs the same updates on a
-2-D mesh ``("data", "players")`` with ``jax.shard_map``: the minibatch rows are split over
-"data", the k players over "players"; each step all-gathers V over "players" (every player
-needs the ones before it) and psums ``X_r^T X_r V`` over "data". :func:`fit` is the
+Data parallelism is exact for both methods: ``M_B v = sum_r X_r^T X_r v / b`` over the
+devices' row blocks ``X_r`` (a sum over rows splits into sums over blocks), one ``psum``. What
+mu's linearity adds: the mean of the devices' own directions (each from its ``b / D`` rows) is
+also the whole batch's direction, whereas for alpha it is the biased direction of a batch of
+``b / D``. :func:`fit_sharded` runs the same updates on a 2-D mesh ``("data", "players")``
+with ``jax.shard_map``: the minibatch rows are split over "data", the k players over
+"players"; each step all-gathers V over "players" (every player needs the ones before it) and
+psums ``X_r^T X_r V`` over "data". :func:`fit` is the
 single-device serial reference it equals to round-off (float64). Computations run with JAX
 64-bit mode switched on *locally* (``jax.enable_x64``), leaving the caller's config as it was.
 
