@@ -23,7 +23,7 @@ import torch
 
 from .device import describe_str, pick_device
 
-__all__ = ["Row", "BENCHES", "registry", "run", "main", "format_table"]
+__all__ = ["Row", "BENCHES", "registry", "run", "main", "format_table", "rows_in_fresh_process"]
 
 
 @dataclass
@@ -96,6 +96,24 @@ def run(names: list[str] | None = None, *, device: str | None = None,
     for name in names:
         rows.extend(importlib.import_module(BENCHES[name][0]).bench(dev, quick))
     return rows
+
+
+def rows_in_fresh_process(module: str, quick: bool) -> list[Row]:
+    """``module._bench_rows(quick)``, measured in a fresh Python process.
+
+    JAX starts threads that make every later ``os.fork`` of the process unsafe, and
+    ``python -m parlearn.bench`` forks gloo ranks for other entries: JAX benches run here.
+    """
+    import subprocess
+
+    code = ("import importlib, json, sys; from dataclasses import asdict; "
+            "m = importlib.import_module(sys.argv[1]); "
+            "print(json.dumps([asdict(r) for r in m._bench_rows(sys.argv[2] == '1')]))")
+    done = subprocess.run([sys.executable, "-c", code, module, "1" if quick else "0"],
+                          capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {module} bench subprocess failed:\n{done.stderr[-3000:]}")
+    return [Row(**r) for r in json.loads(done.stdout.strip().splitlines()[-1])]
 
 
 def format_table(rows: list[Row]) -> str:

@@ -584,24 +584,9 @@ def _bench_rows(quick: bool) -> list:
 
 
 def bench(device, quick: bool) -> list:
-    """The rows of :func:`_bench_rows`, measured in a fresh Python process.
+    """The rows of :func:`_bench_rows`, measured in a fresh Python process (JAX must not
+    start in the process that forks gloo ranks for other entries), on JAX's default
+    device; ``device`` names the torch device of the other benches and is not used."""
+    from .bench import rows_in_fresh_process
 
-    JAX starts threads that make every later ``os.fork`` of this process unsafe (and
-    ``python -m parlearn.bench`` forks gloo ranks for other entries), so JAX runs in a
-    subprocess, on its default device; ``device`` names the torch device of the other
-    benches and is not used.
-    """
-    import json
-    import subprocess
-    import sys
-
-    from .bench import Row
-
-    code = ("import json, sys; from dataclasses import asdict; from parlearn import rl; "
-            "print(json.dumps([asdict(r) for r in rl._bench_rows(sys.argv[1] == '1')]))")
-    done = subprocess.run([sys.executable, "-c", code, "1" if quick else "0"],
-                          capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:
-        raise RuntimeError(f"the rl bench subprocess failed:\n{done.stderr[-3000:]}")
-    rows = [Row(**r) for r in json.loads(done.stdout.strip().splitlines()[-1])]
-    return rows
+    return rows_in_fresh_process("parlearn.rl", quick)
