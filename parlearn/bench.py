@@ -2,7 +2,7 @@
 
 Every technique module has a plain ``bench(device, quick) -> list[Row]`` function;
 :data:`BENCHES` below is the one table of them. Every ratio in a row is measured side
-by side in this one run (see :func:`parlearn.timing.compare`).
+by side in this one run (see :func:`parlearn.core.timing.compare`).
 Rows may carry a target (a claim from an issue or paper) and whether it was met.
 
     python -m parlearn.bench                     # everything, on the default device
@@ -16,64 +16,49 @@ import argparse
 import importlib
 import json
 import sys
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
-import torch
+from parlearn.core.bench import BenchFn, Row, format_table
+from parlearn.core.device import describe_str, pick_device
 
-from .device import describe_str, pick_device
+__all__ = ["BENCHES", "registry", "run", "main", "Row", "format_table"]
 
-__all__ = ["Row", "BENCHES", "registry", "run", "main", "format_table", "rows_in_fresh_process"]
-
-
-@dataclass
-class Row:
-    """One line of the bench table. ``ratio`` = baseline time / variant time (measured)."""
-
-    benchmark: str
-    baseline: str
-    variant: str
-    ratio: float
-    device: str
-    target: str = ""
-    met: bool | None = None
-    detail: str = ""
-
-
-BenchFn = Callable[[torch.device, bool], list[Row]]
 
 # name -> (module with a ``bench(device, quick)`` function, what it measures).
 # Modules are imported only when their bench runs, so `import parlearn` stays cheap.
 BENCHES: dict[str, tuple[str, str]] = {
-    "basics": ("parlearn.basics",
+    "basics": ("parlearn.core.basics",
                "batched matmul (torch.bmm) vs a Python loop of the same matmuls"),
     # Part 1: training on many devices
-    "dist": ("parlearn.dist", "ring all-reduce from send/recv vs all_reduce; measured/modeled"),
-    "data_parallel": ("parlearn.dp_workers", "DP step: bucketed vs naive; 8-bit vs fp32"),
-    "sharding": ("parlearn.sharding",
+    "dist": ("parlearn.dist.measure",
+             "ring all-reduce from send/recv vs all_reduce; measured/modeled"),
+    "data_parallel": ("parlearn.multi_device.data_parallel.workers",
+                      "DP step: bucketed vs naive; 8-bit vs fp32"),
+    "sharding": ("parlearn.multi_device.sharding",
                  "ZeRO 1-3 on 2 gloo ranks: bytes per rank measured vs modeled; step vs plain DP"),
-    "pipeline": ("parlearn.pipeline",
+    "pipeline": ("parlearn.multi_device.pipeline",
                  "1F1B bubble measured vs (P-1)/(M+P-1); balanced vs equal split"),
-    "tensor_parallel": ("parlearn.tensor_parallel",
+    "tensor_parallel": ("parlearn.multi_device.tensor_parallel",
                         "Megatron block and planned tilings: counted vs modeled comm bytes"),
-    "batching": ("parlearn.batching",
+    "batching": ("parlearn.multi_device.batching",
                  "examples and steps to a target loss: SimiGrad vs fixed batches (counted)"),
     # Part 2: breaking backprop's serial chain
-    "leapfrog": ("parlearn.leapfrog",
+    "leapfrog": ("parlearn.serial_chain.leapfrog",
                  "backward schedules on a deep narrow MLP: leapfrog/segments vs serial"),
-    "multigrid": ("parlearn.multigrid",
+    "multigrid": ("parlearn.serial_chain.multigrid",
                   "layer-parallel forward/backward (MGRIT) vs the best serial ResNet"),
-    "local": ("parlearn.local",
+    "local": ("parlearn.serial_chain.local",
               "asynchronous local-heads pipeline vs pipelined backprop on the same 2 ranks"),
     # Part 3: many copies at once
-    "dither": ("parlearn.dither",
+    "dither": ("parlearn.many_copies.dither",
                "P=64 noisy copies: one batched forward/backward vs a loop over copies"),
-    "qd": ("parlearn.qd",
+    "qd": ("parlearn.many_copies.qd",
            "arm evaluations/s: vmap batch 4096 vs 1; MAP-Elites QD-score, batch 4096 vs 64"),
-    "rl": ("parlearn.rl", "cart-pole env-steps/s (policy + env): 4096 batched envs vs 1"),
-    "eigengame": ("parlearn.eigengame",
+    "rl": ("parlearn.many_copies.rl",
+           "cart-pole env-steps/s (policy + env): 4096 batched envs vs 1"),
+    "eigengame": ("parlearn.many_copies.eigengame",
                   "EigenGame samples/s: batched vs batch-1; 8 fake devices vs 1 (JAX)"),
-    "decoding": ("parlearn.decoding",
+    "decoding": ("parlearn.many_copies.decoding",
                  "forward passes per sequence at >= 99% validity, and the decoder's own time"),
 }
 
@@ -96,42 +81,6 @@ def run(names: list[str] | None = None, *, device: str | None = None,
     for name in names:
         rows.extend(importlib.import_module(BENCHES[name][0]).bench(dev, quick))
     return rows
-
-
-def rows_in_fresh_process(module: str, quick: bool) -> list[Row]:
-    """``module._bench_rows(quick)``, measured in a fresh Python process.
-
-    JAX starts threads that make every later ``os.fork`` of the process unsafe, and
-    ``python -m parlearn.bench`` forks gloo ranks for other entries: JAX benches run here.
-    """
-    import subprocess
-
-    code = ("import importlib, json, sys; from dataclasses import asdict; "
-            "m = importlib.import_module(sys.argv[1]); "
-            "print(json.dumps([asdict(r) for r in m._bench_rows(sys.argv[2] == '1')]))")
-    done = subprocess.run([sys.executable, "-c", code, module, "1" if quick else "0"],
-                          capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:
-        raise RuntimeError(f"the {module} bench subprocess failed:\n{done.stderr[-3000:]}")
-    return [Row(**r) for r in json.loads(done.stdout.strip().splitlines()[-1])]
-
-
-def format_table(rows: list[Row]) -> str:
-    """The rows as a fixed-width text table."""
-    head = ("benchmark", "baseline", "parallel variant", "ratio", "device", "target", "met")
-    body = [
-        (r.benchmark, r.baseline, r.variant, f"{r.ratio:.2f}x", r.device, r.target,
-         {True: "yes", False: "NO", None: "-"}[r.met])
-        for r in rows
-    ]
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *body, strict=True)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
-    lines += [fmt.format(*b) for b in body]
-    details = [f"  {r.benchmark} / {r.variant}: {r.detail}" for r in rows if r.detail]
-    if details:
-        lines += ["", "details:", *details]
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 # Every test process, and every lesson kernel nbval starts from it, runs in FAST mode
-# unless told otherwise; tests/test_settings.py checks that kernels really inherit it.
+# unless told otherwise; tests/core/test_settings.py checks that kernels really inherit it.
 os.environ.setdefault("PARLEARN_FAST", "1")
 
 # Deterministic cuBLAS needs a fixed workspace, set before CUDA starts (else matmuls raise

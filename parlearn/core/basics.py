@@ -1,0 +1,209 @@
+"""Work, depth and Amdahl's law; the simplest parallelism there is: batching.
+
+A computation's *work* W is the total number of operations; its *depth* D
+(span, critical path) is the longest chain of operations that must run one after
+another. With p workers no schedule takes less than ``max(W/p, D)`` (the work and
+span laws), and a greedy schedule takes at most ``W/p + D`` (Brent's theorem).
+Amdahl's law is the same idea in fractions: if a fraction ``s`` of the serial time
+cannot be parallelised, the speedup on p workers is
+
+    S(p) = 1 / (s + (1 - s) / p)   ->   1/s as p -> infinity.
+
+On one device the cheapest parallelism is batching: n independent matmuls as one
+``torch.bmm`` call instead of a Python loop of n calls. Its cost model
+(:func:`batching_model`): a call costs ``alpha`` seconds of overhead and a product of
+two ``s x s`` matrices ``beta s^3`` seconds of arithmetic, so
+
+    loop: n (alpha + beta s^3)        bmm: alpha + n beta s^3,
+
+and :func:`fit_batching_model` fits ``alpha`` and ``beta`` to a measured sweep.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import torch
+
+from parlearn.core.bench import Row
+from parlearn.core.checks import check_float, check_int, check_seed, check_tensor
+from parlearn.core.timing import UNRELIABLE, compare, sweep
+
+__all__ = [
+    "amdahl", "brent_bounds", "looped_matmul", "batched_matmul", "random_batch", "sweep_batching",
+    "batching_model", "fit_batching_model",
+]
+
+
+def _real_array(name: str, value) -> np.ndarray:
+    """``value`` as a float array; bools, non-numbers and NaN/inf are refused."""
+    arr = np.asarray(value)
+    if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer)
+                                 or np.issubdtype(arr.dtype, np.floating)):
+        raise TypeError(f"{name} must be a real number or an array of them, got {value!r}")
+    arr = arr.astype(float)
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return arr
+
+
+def amdahl(serial_fraction, workers):
+    """Modeled speedup ``1 / (s + (1 - s) / p)``; broadcasts over numpy arrays."""
+    s = _real_array("serial_fraction", serial_fraction)
+    p = _real_array("workers", workers)
+    if np.any((s < 0) | (s > 1)):
+        raise ValueError(f"serial_fraction must lie in [0, 1], got {serial_fraction!r}")
+    if np.any(p < 1):
+        raise ValueError(f"workers must be >= 1, got {workers!r}")
+    return 1.0 / (s + (1.0 - s) / p)
+
+
+def brent_bounds(work: float, depth: float, workers: int) -> tuple[float, float]:
+    """Modeled time on p workers, in units of one op: ``(max(W/p, D), W/p + D)``.
+
+    The first is the work/span lower bound (no schedule is faster), the second Brent's
+    upper bound for a greedy schedule.
+    """
+    work = check_float("work", work, lo=0)
+    depth = check_float("depth", depth, lo=0)
+    workers = check_int("workers", workers, lo=1)
+    if work < depth:
+        raise ValueError(f"work must be >= depth, got work={work}, depth={depth}")
+    return max(work / workers, depth), work / workers + depth
+
+
+def random_batch(n: int, size: int, *, device: str | torch.device = "cpu",
+                 seed: int | torch.Generator = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two stacks of ``n`` random ``size x size`` matrices, drawn from ``seed`` (an int or a
+    CPU ``torch.Generator``, never the global RNG), moved to ``device``."""
+    n = check_int("n", n, lo=1)
+    size = check_int("size", size, lo=1)
+    seed = check_seed("seed", seed)
+    g = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
+    a = torch.randn(n, size, size, generator=g)
+    b = torch.randn(n, size, size, generator=g)
+    return a.to(device), b.to(device)
+
+
+def _check_pair(a, b) -> None:
+    check_tensor("a", a, ndim=3)
+    check_tensor("b", b, ndim=3)
+    if a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1] or a.shape[0] == 0:
+        raise ValueError(f"a and b must be (n, i, k) and (n, k, j) with n >= 1; got "
+                         f"{tuple(a.shape)}, {tuple(b.shape)}")
+    if a.dtype != b.dtype or a.device != b.device:
+        raise ValueError(f"a and b must share dtype and device, got {a.dtype} on {a.device} and "
+                         f"{b.dtype} on {b.device}")
+
+
+def looped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Serial reference: one ``a[i] @ b[i]`` call per matrix."""
+    _check_pair(a, b)
+    return torch.stack([a[i] @ b[i] for i in range(a.shape[0])])
+
+
+def batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """All ``n`` products in one ``torch.bmm`` call."""
+    _check_pair(a, b)
+    return torch.bmm(a, b)
+
+
+def sweep_batching(counts, size: int, *, device: str | torch.device = "cpu", repeat: int = 5,
+                   seed: int = 0, threads: int | None = None) -> dict:
+    """Measure loop vs ``bmm`` for each ``n`` in ``counts`` (interleaved, per ``n``).
+
+    ``threads=t`` runs with ``t`` torch intra-op threads and restores the caller's count
+    (``None``: the caller's count as it is). Returns ``{"n", "loop_s", "bmm_s",
+    "speedup", "speedup_lo", "speedup_hi", "loop_spread", "bmm_spread", "device",
+    "threads", "reliable", "size"}``: medians in seconds, the spread of each (IQR over
+    median), ``speedup`` = loop time / bmm time with the IQR of the per-repeat ratios, and
+    ``reliable`` False when a spread was too wide to read (all measured).
+    """
+    if isinstance(counts, (str, bytes)) or not hasattr(counts, "__iter__"):
+        raise TypeError(f"counts must be a sequence of ints, got {counts!r}")
+    counts = [check_int("counts[i]", n, lo=1) for n in np.asarray(counts).tolist()]
+    if not counts:
+        raise ValueError("counts must hold at least one int")
+    size = check_int("size", size, lo=1)
+    repeat = check_int("repeat", repeat, lo=1)
+    seed = check_int("seed", seed, lo=0)
+    if threads is not None:
+        threads = check_int("threads", threads, lo=1)
+
+    def candidates(n):
+        a, b = random_batch(n, size, device=device, seed=seed)
+        return {"loop": partial(looped_matmul, a, b), "bmm": partial(batched_matmul, a, b)}
+
+    r = sweep(counts, candidates, repeat=repeat, device=device, threads=threads)
+    return {"n": counts, "loop_s": r["median_s"]["loop"], "bmm_s": r["median_s"]["bmm"],
+            "speedup": r["speedup"]["bmm"], "speedup_lo": r["speedup_lo"]["bmm"],
+            "speedup_hi": r["speedup_hi"]["bmm"], "loop_spread": r["spread"]["loop"],
+            "bmm_spread": r["spread"]["bmm"], "device": r["device"], "threads": r["threads"],
+            "reliable": r["reliable"], "size": size}
+
+
+def batching_model(n, size: int, alpha: float, beta: float) -> dict:
+    """Modeled seconds of ``n`` products of ``size x size`` matrices.
+
+    ``alpha``: overhead of one call (s); ``beta``: arithmetic per ``size^3`` (s), so
+    ``loop_s = n (alpha + beta size^3)``, ``bmm_s = alpha + n beta size^3`` and
+    ``speedup = loop_s / bmm_s``, which grows towards ``1 + alpha / (beta size^3)``.
+    ``n`` may be an array.
+    """
+    n = _real_array("n", n)
+    if np.any(n < 1):
+        raise ValueError(f"n must be >= 1, got {n!r}")
+    size = check_int("size", size, lo=1)
+    alpha = check_float("alpha", alpha, lo=0)
+    beta = check_float("beta", beta, lo=0)
+    if alpha == beta == 0:
+        raise ValueError("alpha and beta cannot both be 0")
+    work = beta * float(size) ** 3
+    loop, bmm = n * (alpha + work), alpha + n * work
+    return {"n": n, "loop_s": loop, "bmm_s": bmm, "speedup": loop / bmm}
+
+
+def fit_batching_model(result: dict) -> dict:
+    """Fit ``alpha`` and ``beta`` of :func:`batching_model` to a :func:`sweep_batching` result.
+
+    Least squares on both measured series at once, each point weighted by 1 / its
+    measured time (so every point counts by its relative error), with ``alpha, beta >= 0``
+    (a negative cost has no meaning: when the unconstrained fit gives one, the other is
+    fitted alone). Returns ``{"alpha", "beta", "size"}`` in seconds.
+    """
+    if not isinstance(result, dict) or not {"n", "loop_s", "bmm_s", "size"} <= set(result):
+        raise TypeError("result must be a dict from basics.sweep_batching")
+    n = _real_array("result['n']", result["n"])
+    loop = _real_array("result['loop_s']", result["loop_s"])
+    bmm = _real_array("result['bmm_s']", result["bmm_s"])
+    if np.any(loop <= 0) or np.any(bmm <= 0):
+        raise ValueError("measured times must be > 0")
+    s3 = float(check_int("result['size']", result["size"], lo=1)) ** 3
+    # Columns: alpha, beta. Rows: loop n(alpha + beta s^3), then bmm alpha + n beta s^3.
+    a = np.vstack([np.column_stack([n, n * s3]), np.column_stack([np.ones_like(n), n * s3])])
+    t = np.concatenate([loop, bmm])
+    a_w, t_w = a / t[:, None], np.ones_like(t)
+    coef, *_ = np.linalg.lstsq(a_w, t_w, rcond=None)
+    if np.any(coef < 0):
+        one = [(float(a_w[:, j] @ t_w / (a_w[:, j] @ a_w[:, j])), j) for j in (0, 1)]
+        coef = np.zeros(2)
+        best = min(one, key=lambda cj: float(np.sum((a_w[:, cj[1]] * cj[0] - t_w) ** 2)))
+        coef[best[1]] = best[0]
+    return {"alpha": float(coef[0]), "beta": float(coef[1]), "size": int(result["size"])}
+
+
+def bench(device: torch.device, quick: bool) -> list[Row]:
+    """Measured loop vs bmm rows; on CPU both run one intra-op thread (the thread policy)."""
+    rows = []
+    threads = 1 if device.type == "cpu" else None
+    for n, size in ((256, 16), (64, 64)) if quick else ((1024, 16), (256, 64), (64, 256)):
+        a, b = random_batch(n, size, device=device)
+        cmp = compare({"loop": partial(looped_matmul, a, b), "bmm": partial(batched_matmul, a, b)},
+                      warmup=2, repeat=5 if quick else 15, device=device, threads=threads)
+        lo, hi = cmp.speedup_range("bmm")
+        detail = f"{cmp.threads} thread(s); IQR {lo:.2f}-{hi:.2f}"
+        rows.append(Row(f"basics n={n} {size}x{size}", "python loop", "torch.bmm",
+                        cmp.speedup("bmm"), str(device), "", None,
+                        detail if cmp.reliable else f"{detail}; WARNING: {UNRELIABLE}"))
+    return rows

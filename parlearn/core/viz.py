@@ -1,0 +1,126 @@
+"""Shared matplotlib figures, with the measured/modeled labelling built in.
+
+A measured curve always names its device; a modeled curve always names its
+formula and is drawn dashed. Lessons never label a curve by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = [
+    "measured_label",
+    "modeled_label",
+    "plot_measured",
+    "plot_measured_sweep",
+    "plot_modeled",
+    "mark_reliability",
+    "timeline",
+    "convergence",
+]
+
+
+# Colour of each task kind in timelines; the common ones are fixed up front.
+_TASK_COLORS = {"chain": "C0", "wgrad": "C1", "transfer": "C2", "boundary": "C3"}
+
+
+def measured_label(name: str, device: str) -> str:
+    """``'name (measured on device)'``."""
+    return f"{name} (measured on {device})"
+
+
+def modeled_label(name: str, formula: str) -> str:
+    """``'name (modeled: formula)'``."""
+    return f"{name} (modeled: {formula})"
+
+
+def plot_measured(ax, x, y, *, name: str, device: str, yerr=None, **kw):
+    """Solid line with markers (and error bars from min/max when given)."""
+    kw.setdefault("marker", "o")
+    label = measured_label(name, device)
+    if yerr is not None:
+        return ax.errorbar(x, y, yerr=yerr, label=label, capsize=3, **kw)
+    return ax.plot(x, y, label=label, **kw)
+
+
+def plot_measured_sweep(ax, sweep: dict, name: str, *, key: str = "speedup", **kw):
+    """One candidate of a :func:`parlearn.timing.sweep` result: medians with IQR error bars.
+
+    ``key`` is ``"speedup"`` (error bars from the per-repeat ratio IQR) or ``"median_s"``
+    (error bars from the spread). The label names the device and thread count, and the
+    axes get the unreliable-measurement warning when the sweep's spread was too wide.
+    """
+    x = np.asarray(sweep["values"], dtype=float)
+    if key == "speedup":
+        y = np.asarray(sweep["speedup"][name])
+        lo, hi = np.asarray(sweep["speedup_lo"][name]), np.asarray(sweep["speedup_hi"][name])
+    elif key == "median_s":
+        y = np.asarray(sweep["median_s"][name])
+        half = np.asarray(sweep["spread"][name]) * y / 2
+        lo, hi = y - half, y + half
+    else:
+        raise ValueError(f"key must be 'speedup' or 'median_s', got {key!r}")
+    yerr = np.vstack([np.clip(y - lo, 0, None), np.clip(hi - y, 0, None)])
+    device = f"{sweep['device']}, {sweep['threads']} thread(s)"
+    out = plot_measured(ax, x, y, name=name, device=device, yerr=yerr, **kw)
+    mark_reliability(ax, sweep["reliable"])
+    return out
+
+
+def mark_reliability(ax, reliable: bool) -> None:
+    """Write the 'not reliable' warning across ``ax`` when a measurement's spread was too wide."""
+    from parlearn.core.timing import UNRELIABLE
+
+    if not reliable:
+        ax.text(0.5, 0.5, "WARNING: " + UNRELIABLE.replace("; ", ";\n"),
+                transform=ax.transAxes, ha="center", va="center", color="red", fontsize=9,
+                alpha=0.8, bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "red"})
+
+
+def plot_modeled(ax, x, y, *, name: str, formula: str, **kw):
+    """Dashed line, no markers: a model, not a measurement."""
+    kw.setdefault("linestyle", "--")
+    return ax.plot(x, y, label=modeled_label(name, formula), **kw)
+
+
+def timeline(ax, events: Sequence[tuple[str, str, float, float]], *, title: str = "") -> None:
+    """Gantt chart. ``events`` are ``(lane, label, start_s, end_s)``; one row per lane.
+
+    Bars are coloured by the label's first word (e.g. ``'chain'``, ``'wgrad'``), with
+    one colour per word for the whole session, so side-by-side timelines agree.
+    """
+    lanes = list(dict.fromkeys(e[0] for e in events))
+    kinds = list(dict.fromkeys(e[1].split()[0] for e in events))
+    for k in kinds:
+        _TASK_COLORS.setdefault(k, f"C{len(_TASK_COLORS) % 10}")
+    colors = {k: _TASK_COLORS[k] for k in kinds}
+    t0 = min((e[2] for e in events), default=0.0)
+    for lane, label, start, end in events:
+        row = lanes.index(lane)
+        ax.barh(row, (end - start) * 1e3, left=(start - t0) * 1e3, height=0.6,
+                color=colors[label.split()[0]], edgecolor="black", linewidth=0.4)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    for k, c in colors.items():
+        ax.barh(0, 0, color=c, label=k)
+    ax.legend(loc="lower right", fontsize="small")
+    if title:
+        ax.set_title(title)
+
+
+def convergence(ax, histories: dict[str, Sequence[float]], *, ylabel: str = "residual") -> None:
+    """Semilog-y plot of one or more residual histories against iteration.
+
+    Exact zeros are drawn at 1e-18 times the largest value (round-off level), not at
+    the smallest float, so the axis stays readable.
+    """
+    for name, hist in histories.items():
+        h = np.asarray(hist, dtype=float)
+        floor = max(h.max(initial=0.0) * 1e-18, np.finfo(float).tiny)
+        ax.semilogy(np.arange(len(h)), np.maximum(h, floor), marker="o", label=name)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize="small")

@@ -1,0 +1,234 @@
+"""The dashboard pattern every lesson uses.
+
+A dashboard is three things:
+
+* ``compute(**params) -> result``: pure, no plotting, testable on its own;
+* ``plot(result, ax)``: draws a result on a matplotlib axis (or array of axes);
+* controls: ipywidgets sliders, dropdowns and checkboxes, one per parameter.
+
+It renders once with the defaults when displayed (so a headless run executes it),
+recomputes only when a slider is *released* (``continuous_update=False``: no flood
+of runs while dragging), shows a progress bar and status line while it works, and
+exposes ``result`` and :meth:`Dashboard.update` so tests can drive it without a
+browser. With ``run_button=True`` changes wait for a press of Run: for anything
+that takes more than a few seconds.
+"""
+
+from __future__ import annotations
+
+import decimal
+import html
+import inspect
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import ipywidgets as W
+from traitlets import TraitError
+
+from parlearn.core.checks import check_int
+
+__all__ = ["Dashboard", "control"]
+
+
+def control(spec: Any, name: str) -> W.ValueWidget:
+    """Turn a short spec into a widget (a widget is returned unchanged).
+
+    * ``(lo, hi, step, value)`` of ints -> ``IntSlider``; with a float -> ``FloatSlider``
+      whose readout shows as many digits as the step and bounds need (0.05 -> 2 digits)
+    * ``[a, b, c]`` (a list) -> ``Dropdown`` whose first item is the default
+    * ``True``/``False`` -> ``Checkbox``
+    """
+    if isinstance(spec, W.ValueWidget):
+        widget = spec
+    elif isinstance(spec, bool):
+        widget = W.Checkbox(value=spec, description=name)
+    elif isinstance(spec, list):
+        if not spec:
+            raise ValueError(f"control {name!r}: a dropdown needs at least one option")
+        widget = W.Dropdown(options=spec, value=spec[0], description=name)
+    elif isinstance(spec, tuple) and len(spec) == 4:
+        lo, hi, step, value = spec
+        if not lo <= value <= hi:
+            raise ValueError(f"control {name!r}: default {value} outside [{lo}, {hi}]")
+        if all(isinstance(v, int) for v in spec):
+            widget = W.IntSlider(min=lo, max=hi, step=step, value=value, description=name)
+        else:
+            widget = W.FloatSlider(min=lo, max=hi, step=step, value=value, description=name,
+                                   readout_format=f".{_decimals(spec)}f")
+    else:
+        raise TypeError(
+            f"control {name!r}: expected a widget, (lo, hi, step, value), a list or a bool; "
+            f"got {spec!r}"
+        )
+    if hasattr(widget, "continuous_update"):
+        widget.continuous_update = False
+    widget.style = {"description_width": "initial"}
+    return widget
+
+
+def _decimals(values) -> int:
+    """Digits after the point needed to show every one of ``values`` exactly (at least 1)."""
+    exps = [decimal.Decimal(repr(float(v))).normalize().as_tuple().exponent for v in values]
+    return max(1, *(-e for e in exps if isinstance(e, int)))
+
+
+class Dashboard:
+    """Sliders that re-run ``compute`` and redraw ``plot``.
+
+    Parameters
+    ----------
+    compute:
+        ``compute(**params) -> result``. If it takes a ``progress`` argument it is
+        given a callback ``progress(fraction, text="")`` that moves the progress bar.
+    plot:
+        ``plot(result, ax)``; ``ax`` is an array of axes when ``ncols > 1``.
+    controls:
+        ``{param_name: widget or spec}`` (see :func:`control`).
+    run_button:
+        Recompute only when Run is pressed (for long computations).
+    """
+
+    def __init__(
+        self,
+        compute: Callable[..., Any],
+        plot: Callable[[Any, Any], None],
+        controls: Mapping[str, Any],
+        *,
+        run_button: bool = False,
+        ncols: int = 1,
+        figsize: tuple[float, float] = (7.0, 4.0),
+        title: str = "",
+    ) -> None:
+        if not callable(compute) or not callable(plot):
+            raise TypeError("compute and plot must be callables")
+        check_int("ncols", ncols, lo=1)
+        self.compute_fn = compute
+        self.plot_fn = plot
+        self.controls = {name: control(spec, name) for name, spec in controls.items()}
+        self._takes_progress = "progress" in inspect.signature(compute).parameters
+        self.ncols, self.figsize, self.title = ncols, figsize, title
+        self.progress = W.FloatProgress(value=0.0, min=0.0, max=1.0, layout={"width": "240px"})
+        self.status = W.HTML()
+        self.out = W.Output()
+        self.run = W.Button(description="Run", button_style="primary") if run_button else None
+        self.result: Any = None
+        self.error: Exception | None = None
+        self.figure = None
+        self.elapsed_s: float | None = None
+        self._displayed = False
+        for widget in self.controls.values():
+            widget.observe(self._on_change, names="value")
+        if self.run is not None:
+            self.run.on_click(lambda _: self._recompute_safely())
+        self._recompute()
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """Current value of every control."""
+        return {name: w.value for name, w in self.controls.items()}
+
+    def update(self, **params: Any) -> Any:
+        """Set controls to ``params``, recompute, redraw, and return the new result.
+
+        Raises like ``compute`` does (the browser path shows the error instead).
+        """
+        unknown = set(params) - set(self.controls)
+        if unknown:
+            raise ValueError(f"unknown parameter(s) {sorted(unknown)}; have {list(self.controls)}")
+        for name, value in params.items():
+            widget = self.controls[name]
+            widget.unobserve(self._on_change, names="value")
+            try:
+                widget.value = value
+            except TraitError as err:
+                msg = f"{name}={value!r} is outside what its control allows: {err}"
+                raise ValueError(msg) from err
+            finally:
+                widget.observe(self._on_change, names="value")
+            if widget.value != value:
+                raise ValueError(f"{name}={value!r} is outside what its control allows")
+        return self._recompute()
+
+    def _set_progress(self, fraction: float, text: str = "") -> None:
+        self.progress.value = min(max(float(fraction), 0.0), 1.0)
+        if text:
+            self.status.value = f"<i>{text}</i>"
+
+    def _recompute(self) -> Any:
+        self.progress.bar_style = ""
+        self._set_progress(0.0, "computing...")
+        kwargs = dict(self.params)
+        if self._takes_progress:
+            kwargs["progress"] = self._set_progress
+        start = time.perf_counter()
+        self.result = self.compute_fn(**kwargs)
+        self.elapsed_s = time.perf_counter() - start
+        self._set_progress(1.0)
+        self.progress.bar_style = "success"
+        self.status.value = f"updated in {self.elapsed_s:.2f} s"
+        self._render()
+        return self.result
+
+    def _recompute_safely(self) -> None:
+        # A browser callback has nowhere to raise to: every error of compute or plot is
+        # shown in the status line (with its type), and kept in ``self.error`` for tests.
+        self.error = None
+        try:
+            self._recompute()
+        except Exception as err:  # noqa: BLE001 - shown to the user, not swallowed
+            self.error = err
+            self.progress.bar_style = "danger"
+            self.status.value = (f"<b>error ({type(err).__name__}):</b> "
+                                 f"{html.escape(str(err))}")
+
+    def _on_change(self, _change: dict) -> None:
+        if self.run is not None:
+            self.status.value = "parameters changed: press <b>Run</b>"
+            return
+        self._recompute_safely()
+
+    def _render(self) -> None:
+        import matplotlib.pyplot as plt
+        from IPython import get_ipython
+
+        fig, axes = plt.subplots(1, self.ncols, figsize=self.figsize, squeeze=True)
+        self.plot_fn(self.result, axes)
+        if self.title:
+            fig.suptitle(self.title)
+        fig.tight_layout()
+        self.figure = fig
+        plt.close(fig)
+        shell = get_ipython()
+        if self._displayed and shell is not None:
+            # Set the Output widget's outputs directly instead of `with self.out: display()`:
+            # capturing a display into an Output widget while the cell that shows it runs
+            # races with a headless client's wait for the cell's reply (nbclient issue 312):
+            # lesson 30 sat idle for the whole cell timeout in 3 of 5 nbconvert runs.
+            data, metadata = shell.display_formatter.format(fig)
+            self.out.outputs = ({"output_type": "display_data", "data": data,
+                                 "metadata": metadata},)
+
+    def widget(self) -> W.Widget:
+        """The whole dashboard as one ipywidgets box."""
+        bar = [self.run] if self.run is not None else []
+        box = W.VBox(
+            [
+                W.HBox(list(self.controls.values()), layout={"flex_flow": "row wrap"}),
+                W.HBox([*bar, self.progress, self.status]),
+                self.out,
+            ]
+        )
+        # Stable hooks for the browser test (tests/browser): it finds every dashboard,
+        # moves a control and waits for the figure in the output to change.
+        box.add_class("parlearn-dashboard")
+        self.status.add_class("parlearn-status")
+        self.out.add_class("parlearn-figure")
+        return box
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget())
+        self._displayed = True
+        self._render()

@@ -1,0 +1,28 @@
+"""Real ranks on one machine, what they send, and what that costs.
+
+    from parlearn.dist import collectives, run
+    run(collectives.ring_check, world_size=2)
+
+=====================  ====================================================================
+module                 what it holds
+=====================  ====================================================================
+``launch``             :func:`run`: k ranks of a ``torch.distributed`` group from a notebook
+``traffic``            :func:`ledger`: every collective a rank issues, its bytes and time
+``cost``               the alpha-beta model: closed forms per collective, the fit
+``collectives``        ring all-reduce from send/recv, and the workers lesson 10 runs
+``measure``            sweeps of real collectives, the fitted alpha-beta, bench rows
+``__main__``           ``python -m parlearn.dist`` / ``torchrun -m parlearn.dist``
+=====================  ====================================================================
+
+The names a notebook uses are re-exported here. Everything in Parts 1-4 that moves bytes
+between ranks builds on this package; it builds only on :mod:`parlearn.core`.
+"""
+
+from parlearn.dist.cost import ALGORITHMS, KINDS, AlphaBeta, collective_time, fit_alpha_beta, ring_bytes
+from parlearn.dist.launch import RankError, default_backend, device_for, run
+from parlearn.dist.measure import DEFAULT_SIZES, measure_alpha_beta, sweep_collective
+from parlearn.dist.traffic import Ledger, Record, ledger
+
+__all__ = ["run", "RankError", "device_for", "default_backend", "ledger", "Ledger", "Record",
+           "AlphaBeta", "KINDS", "ALGORITHMS", "collective_time", "fit_alpha_beta", "ring_bytes",
+           "sweep_collective", "measure_alpha_beta", "DEFAULT_SIZES"]

@@ -1,0 +1,320 @@
+"""Run k ranks of a real ``torch.distributed`` group from a notebook.
+
+    from parlearn.dist import collectives, run
+    run(collectives.hello, world_size=2)      # [(0, 2, 'gloo'), (1, 2, 'gloo')]
+
+:func:`run` starts ``world_size`` processes, joins them into one process group (gloo on
+CPU; NCCL with one GPU per rank when ``torch.cuda.device_count() >= world_size``), calls
+``fn(rank, world_size, *args)`` in each, and returns the ranks' return values in rank order.
+What can go wrong is turned into an error in the caller, never a hang:
+
+- an exception in any rank raises :class:`RankError` naming the rank, with its traceback;
+- a rank that is hung (or dead) makes its peers' next collective fail after ``timeout``
+  seconds (the process group's own timeout), which surfaces as a :class:`RankError`;
+- every process ``run`` started is gone when it returns, after errors too.
+
+Start method. ``"fork"`` (the default on Linux) copies the caller, so a launch costs
+tens of milliseconds and ``fn`` may even be defined in a notebook cell; the child sets
+``torch.set_num_threads(1)`` first, because a forked child that inherits the parent's
+OpenMP pool hangs at its first multi-threaded op. ``"spawn"`` starts fresh interpreters
+(seconds: each imports torch) and is the default when the caller has already initialised
+CUDA (CUDA does not survive a fork); a spawned ``fn`` must be importable by module and
+name, so a function from ``__main__`` or a notebook is refused before anything starts.
+
+Rendezvous needs no fixed port: the caller holds a ``TCPStore`` bound to a free port
+(port 0) for the length of one run, and the ranks meet in a ``PrefixStore`` unique to it.
+
+The same workers run unchanged under ``torchrun`` on real GPUs (one process per GPU,
+NCCL), through :mod:`parlearn.dist.__main__`::
+
+    torchrun --standalone --nproc_per_node 8 -m parlearn.dist parlearn.collectives:ring_check 1000
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import importlib
+import itertools
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from parlearn.core.checks import check_callable, check_choice, check_float, check_int
+
+__all__ = ["run", "RankError", "device_for", "default_backend"]
+
+_HOST = "127.0.0.1"
+_run_ids = itertools.count()
+# Seconds the caller waits for a process to exit on its own before killing it.
+_EXIT_GRACE = 2.0
+# Seconds the other ranks get to report once one has failed.
+_FAILURE_GRACE = 0.5
+
+
+class RankError(RuntimeError):
+    """A rank of :func:`run` failed. ``rank`` is the first rank that failed, ``traceback``
+    its traceback text, ``failures`` maps every rank that failed to its text, and
+    ``unfinished`` lists ranks still running when the run was stopped."""
+
+    def __init__(self, rank: int, failures: dict[int, str], unfinished: Sequence[int]):
+        self.rank = rank
+        self.traceback = failures[rank]
+        self.failures = dict(failures)
+        self.unfinished = list(unfinished)
+        lines = [f"rank {rank} failed:", self.traceback.rstrip()]
+        for other, text in failures.items():
+            if other != rank:
+                last = text.strip().splitlines()[-1] if text.strip() else "?"
+                lines.append(f"(rank {other} failed too: {last})")
+        if self.unfinished:
+            lines.append(f"(ranks {self.unfinished} were still running and were stopped)")
+        super().__init__("\n".join(lines))
+
+
+def default_backend(world_size: int) -> str:
+    """``"nccl"`` when NCCL exists and there is one GPU per rank, else ``"gloo"``."""
+    if (torch.cuda.is_available() and tdist.is_nccl_available()
+            and torch.cuda.device_count() >= world_size):
+        return "nccl"
+    return "gloo"
+
+
+def device_for(rank: int) -> torch.device:
+    """The device rank ``rank`` of the current group should compute on: its own GPU under
+    NCCL (by ``LOCAL_RANK`` when ``torchrun`` set it), else the CPU."""
+    rank = check_int("rank", rank, lo=0)
+    if tdist.is_initialized() and tdist.get_backend() == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        return torch.device("cuda", local % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _importable(fn: Callable) -> str | None:
+    """Why a spawned child could not import ``fn`` (None when it can)."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if module in (None, "__main__", "__mp_main__") or "<" in qualname:
+        return (f"{qualname or fn!r} is defined in {module or 'no module'}"
+                f"{' (a local function or lambda)' if '<' in qualname else ''}")
+    try:
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as err:
+        return f"{module}.{qualname} cannot be imported ({err})"
+    if obj is not fn:
+        return f"{module}.{qualname} names a different object"
+    return None
+
+
+# Last lines of errors torch.distributed raises in a rank because a PEER failed or hung.
+_PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting",
+                "timed out", "DistNetworkError", "Broken pipe")
+
+
+def _root_cause(failures: dict[int, str]) -> int:
+    """The rank to blame: the first (in order of arrival) whose error is not a symptom of
+    another rank's failure; else the first to fail."""
+    for rank, text in failures.items():
+        last = text.strip().splitlines()[-1] if text.strip() else ""
+        if not any(p in last for p in _PEER_ERRORS):
+            return rank
+    return next(iter(failures))
+
+
+def _child(fn: Callable, rank: int, world_size: int, args: tuple, backend: str,
+           timeout: float, port_conn, prefix: str, conn) -> None:
+    # One intra-op thread first: a forked child that touches the parent's OpenMP pool hangs.
+    torch.set_num_threads(1)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        port = port_conn.recv()
+        port_conn.close()
+        store = tdist.TCPStore(_HOST, port, world_size + 1, is_master=False,
+                               timeout=datetime.timedelta(seconds=timeout))
+        # Binding NCCL to the rank's GPU up front lets barrier() know its device.
+        tdist.init_process_group(backend, store=tdist.PrefixStore(prefix, store), rank=rank,
+                                 world_size=world_size,
+                                 timeout=datetime.timedelta(seconds=timeout),
+                                 device_id=torch.device("cuda", rank) if backend == "nccl"
+                                 else None)
+        payload = ("ok", fn(rank, world_size, *args))
+        if tdist.is_initialized():
+            # No rank leaves before all are done with the group: a rank that exits while a
+            # peer is still connecting to it (gloo builds its mesh lazily) fails that peer.
+            tdist.barrier()
+        try:
+            data = pickle.dumps(payload)
+        except Exception:
+            raise TypeError(f"rank {rank}: the value fn returned cannot be pickled") from None
+    except BaseException:
+        data = pickle.dumps(("err", traceback.format_exc()))
+    # Report before tearing the group down: destroying it can block on a dead peer.
+    conn.send_bytes(data)
+    conn.close()
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+def _stop(procs: Sequence[mp.process.BaseProcess]) -> None:
+    """Make sure every process is gone: wait briefly, then SIGTERM, then SIGKILL."""
+    deadline = time.monotonic() + _EXIT_GRACE
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(1.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    for p in procs:
+        p.close()
+
+
+def _exit_text(p: mp.process.BaseProcess) -> str:
+    p.join(_EXIT_GRACE)  # its pipe closes a moment before its exit code is known
+    code = p.exitcode
+    how = f"was killed by signal {-code}" if code is not None and code < 0 else \
+        f"exited with code {code}"
+    return f"{how} without returning a value\n"
+
+
+def _collect(procs: list, conns: dict, results: dict, failures: dict,
+             deadline: float | None) -> None:
+    """Read each rank's report as it arrives until all are in or one failed. After a
+    failure the others get a short grace to report too (their own errors, usually a peer
+    closing), so the error can show them; whoever is still running is then stopped."""
+    stop_at = None if deadline is None else time.monotonic() + deadline
+    grace_at = None
+    while conns:
+        limits = [t for t in (stop_at, grace_at) if t is not None]
+        left = None if not limits else max(0.0, min(limits) - time.monotonic())
+        ready = mp.connection.wait(list(conns), timeout=left)
+        if not ready:
+            if not failures:
+                waiting = sorted(conns.values())
+                failures[waiting[0]] = (f"still running after deadline={deadline} s "
+                                        f"(ranks {waiting} had not returned)\n")
+            return
+        for conn in ready:
+            rank = conns.pop(conn)
+            try:
+                status, value = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                status, value = "err", _exit_text(procs[rank])
+            conn.close()
+            if status == "ok":
+                results[rank] = value
+            else:
+                failures[rank] = value
+        if failures and grace_at is None:
+            grace_at = time.monotonic() + _FAILURE_GRACE
+
+
+def run(fn: Callable, world_size: int = 2, *, args: Sequence = (), backend: str | None = None,
+        timeout: float = 30, start: str | None = None, deadline: float | None = None,
+        pids: list | None = None) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their values.
+
+    The group is initialised before ``fn`` starts (``torch.distributed.get_rank()`` works)
+    with ``timeout`` seconds as its collective timeout. ``backend`` None picks
+    :func:`default_backend`. ``start`` None picks ``"fork"`` on Linux unless the caller
+    has initialised CUDA, else ``"spawn"`` (which needs an importable ``fn`` and picklable
+    ``args``). Return values must be picklable (return tensors detached, on the CPU).
+    ``deadline`` (seconds, optional) bounds the whole run, for ranks that hang outside any
+    collective. ``pids``, when given a list, receives the children's process ids.
+    ``run`` does not reseed anything: forked ranks start with a copy of the caller's RNG
+    state (the same on every rank), so a worker that wants different draws per rank seeds
+    its own ``torch.Generator`` from its rank.
+
+    Raises :class:`RankError` when any rank raises, exits without returning, or is still
+    running at ``deadline``; the other ranks are then stopped.
+    """
+    check_callable("fn", fn)
+    world_size = check_int("world_size", world_size, lo=1)
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
+    if deadline is not None:
+        deadline = check_float("deadline", deadline, lo=0, lo_open=True)
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple or list, got {type(args).__name__}")
+    backend = default_backend(world_size) if backend is None else backend
+    check_choice("backend", backend, ("gloo", "nccl"))
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"backend='nccl' needs one GPU per rank: world_size={world_size}, "
+                         f"GPUs={torch.cuda.device_count()}")
+    if start is None:
+        fork_ok = sys.platform.startswith("linux") and not torch.cuda.is_initialized()
+        start = "fork" if fork_ok else "spawn"
+    check_choice("start", start, mp.get_all_start_methods())
+    if start != "fork":
+        why = _importable(fn)
+        if why:
+            raise ValueError(f"start={start!r} needs a worker the child can import, but {why}."
+                             " Put the worker in an importable module, or use start='fork'.")
+        try:
+            pickle.dumps(tuple(args))
+        except Exception as err:
+            raise TypeError(f"args must be picklable with start={start!r}: {err}") from None
+    if start == "fork" and torch.cuda.is_initialized():
+        raise ValueError("start='fork' after CUDA was initialised in this process breaks the "
+                         "children's CUDA; use start='spawn'")
+
+    ctx = mp.get_context(start)
+    prefix = f"parlearn-run-{os.getpid()}-{next(_run_ids)}"
+    procs, conns, ports = [], {}, []
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    store = None
+    try:
+        for rank in range(world_size):
+            recv, send = ctx.Pipe(duplex=False)
+            port_recv, port_send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_child, name=f"parlearn-rank{rank}", daemon=True,
+                            args=(fn, rank, world_size, tuple(args), backend, timeout,
+                                  port_recv, prefix, send))
+            with warnings.catch_warnings():
+                # Python >= 3.12 warns on fork from a threaded process; the child's first act
+                # (one intra-op thread) is what makes it safe for torch (module docstring).
+                warnings.filterwarnings("ignore", "This process .* is multi-threaded",
+                                        DeprecationWarning)
+                p.start()
+            send.close()
+            port_recv.close()
+            procs.append(p)
+            conns[recv] = rank
+            ports.append(port_send)
+            if pids is not None:
+                pids.append(p.pid)
+        # The rendezvous store (on a free port; the prefix keeps runs apart) starts only
+        # after the last fork: a child forked while the store's server thread holds a lock
+        # can deadlock in its first call.
+        store = tdist.TCPStore(_HOST, 0, world_size + 1, is_master=True,
+                               timeout=datetime.timedelta(seconds=timeout),
+                               wait_for_workers=False)
+        for c in ports:
+            c.send(store.port)
+            c.close()
+        _collect(procs, conns, results, failures, deadline)
+    finally:
+        unfinished = sorted(conns.values())
+        for c in [*conns, *ports]:
+            c.close()
+        _stop(procs)
+        del store
+    if failures:
+        raise RankError(_root_cause(failures), failures,
+                        [r for r in unfinished if r not in failures])
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,34 @@
+"""Data parallelism (lesson 11): replicas that average their gradients.
+
+=================  =======================================================================
+module             what it holds
+=================  =======================================================================
+``ddp``            :class:`NaiveDP`, :class:`BucketedDP` (overlapped buckets),
+                   :class:`CompressedDP`, torch's DDP via :func:`make_ddp`, the serial
+                   reference :func:`train_reference`, the step cost model
+``compression``    8-bit gradient codes (Dettmers 2016), the compressed all-reduce and its
+                   DDP comm hook, error feedback
+``stragglers``     slow workers: order statistics of delays, backup workers (Chen et al.)
+``workers``        lesson 11's measurements on real ranks and the bench rows
+=================  =======================================================================
+
+The engines of ``ddp`` and the seeded :func:`parlearn.core.models.mlp` they train are
+re-exported here: ``from parlearn import data_parallel as dp; dp.BucketedDP(model)``.
+"""
+
+from parlearn.core.models import mlp, mlp_param_bytes
+from parlearn.multi_device.data_parallel.ddp import (
+    BucketedDP,
+    CompressedDP,
+    DPStepModel,
+    NaiveDP,
+    TiedMLP,
+    dp_step_model,
+    make_ddp,
+    shard,
+    train_reference,
+    worker_train,
+)
+
+__all__ = ["NaiveDP", "BucketedDP", "CompressedDP", "make_ddp", "TiedMLP", "train_reference",
+           "shard", "DPStepModel", "dp_step_model", "worker_train", "mlp", "mlp_param_bytes"]

@@ -1,0 +1,6 @@
+"""Part 2 · beyond backprop's serial chain (lessons 20-29).
+
+- ``leapfrog``: leapfrogging backprop, the delta/G split (lesson 20);
+- ``multigrid``: layer-parallel ResNets by MGRIT (lesson 21);
+- ``local``: local learning signals and the asynchronous block pipeline (lesson 22).
+"""

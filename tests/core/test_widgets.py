@@ -1,0 +1,152 @@
+import ipywidgets as W
+import pytest
+
+from parlearn.core.widgets import Dashboard, control
+
+
+def _compute(n, scale, kind):
+    return {"values": [scale * i for i in range(n)], "kind": kind}
+
+
+def _plot(result, ax):
+    ax.plot(result["values"], label=result["kind"])
+
+
+def _dash(**kw):
+    return Dashboard(_compute, _plot, {"n": (1, 10, 1, 3), "scale": (0.5, 2.0, 0.5, 1.0),
+                                       "kind": ["a", "b"]}, **kw)
+
+
+def test_renders_once_with_defaults():
+    d = _dash()
+    assert d.result == {"values": [0.0, 1.0, 2.0], "kind": "a"}
+    assert d.figure is not None and d.figure.axes[0].lines
+
+
+def test_update_changes_result_and_controls():
+    d = _dash()
+    r = d.update(n=5, kind="b")
+    assert r is d.result and len(r["values"]) == 5 and r["kind"] == "b"
+    assert d.params == {"n": 5, "scale": 1.0, "kind": "b"}
+
+
+def test_slider_release_recomputes_once():
+    calls = []
+
+    def compute(n):
+        calls.append(n)
+        return n
+
+    d = Dashboard(compute, lambda r, ax: ax.plot([r]), {"n": (1, 10, 1, 2)})
+    slider = d.controls["n"]
+    assert slider.continuous_update is False  # no runs while dragging
+    slider.value = 7  # what the browser sends on release
+    assert calls == [2, 7] and d.result == 7
+
+
+def test_run_button_defers_compute():
+    calls = []
+
+    def compute(n):
+        calls.append(n)
+        return n
+
+    d = Dashboard(compute, lambda r, ax: ax.plot([r]), {"n": (1, 10, 1, 2)}, run_button=True)
+    d.controls["n"].value = 5
+    assert calls == [2] and "Run" in d.status.value
+    d.run.click()
+    assert calls == [2, 5]
+
+
+def test_progress_callback_is_passed():
+    seen = []
+
+    def compute(n, progress):
+        for i in range(n):
+            progress((i + 1) / n, f"step {i}")
+            seen.append(d_progress_value())
+        return n
+
+    holder = {}
+
+    def d_progress_value():
+        return holder["d"].progress.value if "d" in holder else None
+
+    d = Dashboard(compute, lambda r, ax: None, {"n": (1, 5, 1, 2)})
+    holder["d"] = d
+    d.update(n=4)
+    assert seen[-4:] == [0.25, 0.5, 0.75, 1.0]
+
+
+def test_errors_raise_in_update_but_show_in_browser():
+    def compute(n):
+        if n > 5:
+            raise ValueError("n too big")
+        return n
+
+    d = Dashboard(compute, lambda r, ax: None, {"n": (1, 10, 1, 2)})
+    with pytest.raises(ValueError, match="too big"):
+        d.update(n=6)
+    d.controls["n"].value = 8  # browser path: shown, not raised
+    assert "too big" in d.status.value
+
+
+def test_bad_controls_and_params():
+    with pytest.raises(TypeError, match="control 'x'"):
+        control({"oops": 1}, "x")
+    with pytest.raises(ValueError, match="outside"):
+        control((0, 1, 1, 5), "x")
+    d = _dash()
+    with pytest.raises(ValueError, match="unknown parameter"):
+        d.update(bogus=1)
+    with pytest.raises(ValueError, match="outside"):
+        d.update(kind="zzz")
+
+
+def test_widget_box_and_explicit_widget():
+    s = W.IntSlider(min=0, max=3, value=1, continuous_update=True)
+    d = Dashboard(lambda k: k, lambda r, ax: None, {"k": s})
+    assert s.continuous_update is False
+    assert isinstance(d.widget(), W.VBox)
+
+
+def test_float_slider_readout_shows_the_step():
+    assert control((0.0, 1.0, 0.05, 0.25), "x").readout_format == ".2f"
+    assert control((1e-5, 1e-3, 1e-5, 1e-4), "x").readout_format == ".5f"
+    assert control((0.5, 2.0, 0.5, 1.0), "x").readout_format == ".1f"
+
+
+@pytest.mark.parametrize("exc", [ZeroDivisionError, KeyError, IndexError, AssertionError,
+                                 ValueError])
+def test_every_compute_error_reaches_the_status_line(exc):
+    def compute(n):
+        if n > 2:
+            raise exc("bad <n>")
+        return n
+
+    d = Dashboard(compute, lambda r, ax: ax.plot([r]), {"n": (1, 10, 1, 2)})
+    d.controls["n"].value = 5          # the browser path: must not raise
+    assert isinstance(d.error, exc)
+    assert exc.__name__ in d.status.value and "&lt;n&gt;" in d.status.value
+    assert d.progress.bar_style == "danger"
+    d.controls["n"].value = 1          # a good value clears the error
+    assert d.error is None and d.result == 1
+
+
+def test_plot_errors_are_shown_too():
+    def plot(r, ax):
+        raise RuntimeError("cannot draw")
+
+    calls = []
+    d = Dashboard(lambda n: calls.append(n) or n, lambda r, ax: ax.plot([r]),
+                  {"n": (1, 10, 1, 2)})
+    d.plot_fn = plot
+    d.controls["n"].value = 4
+    assert isinstance(d.error, RuntimeError) and "cannot draw" in d.status.value
+
+
+def test_ncols_is_checked():
+    with pytest.raises(TypeError, match="ncols"):
+        _dash(ncols=1.5)
+    with pytest.raises(ValueError, match="ncols"):
+        _dash(ncols=0)

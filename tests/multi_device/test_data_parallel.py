@@ -1,0 +1,378 @@
+"""Data parallelism (naive, bucketed, DDP), the 8-bit dynamic tree type, its all-reduce."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+from parlearn import dist
+from parlearn.multi_device import data_parallel as D
+from parlearn.multi_device.data_parallel import compression as C
+from parlearn.multi_device.data_parallel import workers as W
+
+TIMEOUT = 60  # every multi-rank run is bounded: a hung rank raises instead of hanging
+
+
+# --------------------------------------------------------------------------- 8-bit type
+
+def test_code_table_has_256_distinct_sorted_codes_with_minus_one_zero_one():
+    values, codes = C.sorted_codes()
+    assert values.numel() == 256 and torch.unique(values).numel() == 256
+    assert bool((values[1:] > values[:-1]).all())
+    for v in (-1.0, 0.0, 1.0):
+        assert bool((values == v).any())
+    assert sorted(codes.tolist()) == list(range(256))
+
+
+def test_code_layout_sign_exponent_run_indicator_fraction():
+    table = C.code_table()
+    assert table[0b0_1_111111] == 1.0                       # z=0, all fraction bits set
+    assert table[0b1_1_111111] == -1.0
+    assert table[0b0_1_000000] == pytest.approx(0.1 + 0.9 / 64)
+    assert table[0b0_01_11111] == pytest.approx(0.1)         # z=1 tops out at 10**-1
+    assert table[0b0_0000001] == pytest.approx(1e-6)        # z=6: no fraction bits left
+    assert table[0] == 0.0
+    # every exponent z holds 2**(6-z) positive codes, in (10**-(z+1), 10**-z]
+    pos = table[table > 0]
+    for z in range(7):
+        inside = ((pos > 10.0 ** -(z + 1) * (1 + 1e-12)) & (pos <= 10.0 ** -z * (1 + 1e-12)))
+        assert int(inside.sum()) == 2 ** (6 - z)
+
+
+def test_quantize_dequantize_roundtrip_every_code(any_device):
+    codes = torch.arange(256, dtype=torch.int64).to(torch.uint8).to(any_device)
+    scale = 3.7
+    back, s = C.quantize(C.dequantize(codes, scale, torch.float64), scale=scale)
+    assert back.device == codes.device
+    assert torch.equal(back, codes) and float(s) == scale
+
+
+def test_quantize_is_nearest_code(any_device):
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(500, generator=gen, dtype=torch.float64) * torch.logspace(
+        -6, 0, 500, dtype=torch.float64)).to(any_device)
+    codes, s = C.quantize(x)
+    table = C.code_table().to(any_device)
+    brute = (x[:, None] / s - table[None, :]).abs().min(1).values
+    got = (C.dequantize(codes, 1.0, torch.float64) - x / s).abs()
+    assert torch.allclose(got, brute, rtol=0, atol=1e-15)
+    assert float(s) == float(x.abs().max())
+
+
+def test_relative_error_small_where_linear_int8_fails():
+    m = torch.logspace(-5, 0, 5001, dtype=torch.float64)
+    tree = C.relative_error(m, "dynamic_tree")
+    lin = C.relative_error(m, "linear_int8")
+    assert float(tree.mean()) < 0.10
+    assert float(lin.mean()) > 0.5
+    small = m < 1e-2
+    assert float(tree[small].mean()) < 0.2 * float(lin[small].mean())
+
+
+def test_bad_inputs_fail_fast():
+    with pytest.raises(ValueError, match="scale"):
+        C.quantize(torch.tensor([2.0]), scale=1.0)
+    with pytest.raises(TypeError, match="codes"):
+        C.dequantize(torch.zeros(3, dtype=torch.int64), 1.0)
+    with pytest.raises(ValueError, match="magnitudes"):
+        C.relative_error(torch.tensor([0.0, 0.5]))
+    with pytest.raises(ValueError, match="kind"):
+        C.relative_error(torch.tensor([0.5]), "int4")
+
+
+def _worker_compressed(rank, world, xs, steps):
+    ef, plain, outs, recs = C.ErrorFeedback(), [], [], []
+    for t in range(steps):
+        with dist.ledger() as led:
+            outs.append(C.compressed_all_reduce(xs[t][rank], error_feedback=ef))
+        recs.append([(r.kind, r.bytes) for r in led.records])
+        plain.append(C.compressed_all_reduce(xs[t][rank], average=False))
+    return outs, plain, recs
+
+
+@pytest.mark.parametrize("world,n", [(2, 12), (3, 11)])
+def test_compressed_all_reduce_equals_reference_and_sends_a_quarter(world, n):
+    gen = torch.Generator().manual_seed(world)
+    steps = 3
+    xs = [[torch.randn(n, generator=gen) for _ in range(world)] for _ in range(steps)]
+    res = dist.run(_worker_compressed, world, args=(xs, steps), timeout=TIMEOUT)
+    efs = [C.ErrorFeedback() for _ in range(world)]
+    for t in range(steps):
+        ref = C.compressed_all_reduce_reference(xs[t], error_feedback=efs)
+        plain = C.compressed_all_reduce_reference(xs[t], average=False)
+        for r in range(world):
+            assert torch.equal(res[r][0][t], ref)
+            assert torch.equal(res[r][1][t], plain)
+        exact = torch.stack(xs[t]).mean(0)
+        assert float((ref - exact).abs().max()) < 0.05 * float(exact.abs().max())
+    # wire bytes by the ledger: codes are 1/4 of a float32 ring all-reduce, plus scales
+    m = -(-n // world)
+    wire = sum(dist.ring_bytes(k, b, world) for k, b in res[0][2][0])
+    fp32 = dist.ring_bytes("all_reduce", 4 * world * m, world)
+    scales = 2 * (world - 1) * 4
+    assert wire == pytest.approx(fp32 / 4 + scales)
+    assert {k for k, _ in res[0][2][0]} == {"all_to_all_single", "all_gather_single"}
+
+
+def test_error_feedback_carries_the_residual():
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(64, generator=gen) * torch.logspace(-4, 0, 64) for _ in range(2)]
+    efs = [C.ErrorFeedback() for _ in range(2)]
+    # summed over steps, error feedback's results track the exact sum; without it, the
+    # same rounding error repeats every step
+    with_ef = sum(C.compressed_all_reduce_reference(xs, error_feedback=efs) for _ in range(20))
+    without = 20 * C.compressed_all_reduce_reference(xs)
+    exact = 20 * torch.stack(xs).mean(0)
+    assert float((with_ef - exact).abs().sum()) < 0.3 * float((without - exact).abs().sum())
+
+
+# ------------------------------------------------------------------ data parallel engines
+
+def _data(steps=3, batch=8, d_in=5, classes=3, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(batch, d_in, generator=gen, dtype=torch.float64) for _ in range(steps)]
+    ys = [torch.randint(0, classes, (batch,), generator=gen) for _ in range(steps)]
+    return xs, ys
+
+
+@pytest.mark.parametrize("kind", ["naive", "bucketed", "ddp"])
+@pytest.mark.parametrize("optimizer,accum", [("sgd", 2), ("adam", 1)])
+def test_data_parallel_equals_single_process_step_by_step(kind, optimizer, accum):
+    xs, ys = _data()
+    model = D.TiedMLP(5, 6, 3)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ref = D.train_reference(copy.deepcopy(model), xs, ys, lr=0.05, optimizer=optimizer)
+    res = dist.run(D.worker_train, 2, args=(kind, copy.deepcopy(model), xs, ys, 0.05,
+                                            optimizer, accum, 200), timeout=TIMEOUT)
+    before = start
+    for t in range(len(xs)):
+        # not vacuous: every trained parameter moved in this step
+        for n, v in ref[t].items():
+            moved = float((v - before[n]).abs().max())
+            assert (moved == 0.0) if n.startswith("frozen") else (moved > 1e-4), (t, n)
+        for r in range(2):
+            for n, v in ref[t].items():
+                assert torch.allclose(res[r]["snapshots"][t][n], v, rtol=0, atol=1e-13), (t, n)
+        before = ref[t]
+
+
+def test_bucketed_hooks_fire_during_backward_and_every_grad_is_in_one_bucket():
+    xs, ys = _data(steps=2)
+    model = D.TiedMLP(5, 6, 3)
+    res = dist.run(D.worker_train, 2, args=("bucketed", model, xs, ys, 0.05, "sgd", 2, 200),
+                   timeout=TIMEOUT)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    buckets = res[0]["buckets"]
+    flat = [n for b in buckets for n in b]
+    assert sorted(flat) == sorted(trainable) and len(flat) == len(set(flat))
+    assert len(buckets) > 1
+    events = [(w, lab) for w, lab, _ in res[0]["events"]]
+    # split into backward passes; accum=2: the first of each step is inside no_sync
+    passes, cur = [], []
+    for e in events:
+        if e[0] == "forward" and cur:
+            passes.append(cur)
+            cur = []
+        cur.append(e)
+    passes.append(cur)
+    assert len(passes) == 4
+    for i, full in enumerate(passes):
+        # "done" is logged by the all-reduce's completion callback on gloo's thread, so where
+        # it falls among the backward's events is a race: check it only against its launch,
+        # and the hook order on the backward's own thread without it.
+        for b in range(len(buckets)):
+            if ("done", str(b)) in full:
+                assert full.index(("launch", str(b))) < full.index(("done", str(b)))
+        p = [e for e in full if e[0] != "done"]
+        kinds = [w for w, _ in p]
+        if i % 2 == 0:                                    # no_sync: nothing is sent
+            assert "launch" not in kinds and "end" not in kinds
+            continue
+        grads = [j for j, w in enumerate(kinds) if w == "grad"]
+        launches = [j for j, w in enumerate(kinds) if w == "launch"]
+        assert [p[j][1] for j in launches] == [str(b) for b in range(len(buckets))]
+        # the first bucket leaves while gradients are still being produced
+        assert launches[0] < grads[-1]
+        assert kinds[-1] == "end" and max(launches) < len(kinds) - 1
+        # each bucket launches right after its last gradient arrives
+        for b, names in enumerate(buckets):
+            last = max(j for j in grads if p[j][1] in names)
+            assert p[last + 1] == ("launch", str(b))
+
+
+def test_wrappers_refuse_bad_input():
+    with pytest.raises(RuntimeError, match="process group"):
+        D.NaiveDP(D.TiedMLP(2, 2, 2))
+    with pytest.raises(ValueError, match="kind"):
+        D.worker_train(0, 1, "zero", None, [], [], 0.1)
+    with pytest.raises(ValueError, match="batch of 5"):
+        D.shard(torch.zeros(5), 0, 2)
+
+
+def test_ddp_dettmers8_hook_trains_and_sends_a_quarter():
+    from parlearn.core.datasets import digits
+
+    data = digits(n_train=200)
+    out = {}
+    for method in ("fp32", "ddp_dettmers8_hook"):
+        out[method] = dist.run(W.worker_digits, 2, args=(method, data, 6, 16, 0.2, 16, 0, 3),
+                               timeout=TIMEOUT)[0]
+    wire8 = sum(dist.ring_bytes(k, b, 2) for k, b in out["ddp_dettmers8_hook"]["bytes"].items())
+    wire32 = sum(dist.ring_bytes(k, b, 2) for k, b in out["fp32"]["bytes"].items())
+    assert wire8 == pytest.approx(wire32 / 4 + 8, rel=0.01)
+    acc8, acc32 = out["ddp_dettmers8_hook"]["accuracy"], out["fp32"]["accuracy"]
+    assert acc8[-1] > 0.2 and abs(acc8[-1] - acc32[-1]) < 0.1
+
+
+@functools.lru_cache(maxsize=1)
+def _digits_args():
+    from parlearn.core.datasets import digits
+
+    return (digits(n_train=200), 8, 16, 0.2, 16, 0, 4)
+
+
+@functools.lru_cache(maxsize=1)
+def _fp32_digits():
+    return dist.run(W.worker_digits, 2, args=("fp32", *_digits_args()), timeout=TIMEOUT)[0]
+
+
+@pytest.mark.parametrize("method", ["ddp_fp16_hook", "ddp_powersgd_hook", "8bit_ef"])
+def test_other_compressed_methods_train_like_fp32(method):
+    args = _digits_args()
+    ref = _fp32_digits()
+    got = dist.run(W.worker_digits, 2, args=(method, *args), timeout=TIMEOUT)
+    assert got[0]["accuracy"] == got[1]["accuracy"]       # replicas stayed identical
+    assert abs(got[0]["accuracy"][-1] - ref["accuracy"][-1]) < 0.15
+
+
+# --------------------------------------------------------------------------- cost model
+
+def test_dp_step_model_hand_computed():
+    ab = dist.AlphaBeta(alpha=1e-3, beta=1e-6)
+    sizes = [1000, 2000, 3000]          # bytes in registration order
+    t = [2e-3 + n * 1e-6 for n in sizes]     # N=2 ring all-reduce: 2 alpha + n beta
+    naive = D.dp_step_model(sizes, 2, ab, compute_seconds=0.03, strategy="naive")
+    assert naive.comm == pytest.approx(sum(t)) and naive.step == pytest.approx(0.03 + sum(t))
+    one = D.dp_step_model(sizes, 2, ab, compute_seconds=0.03, strategy="one_bucket")
+    assert one.comm == pytest.approx(2e-3 + 6000e-6)
+    # buckets of one tensor each, backward 0.02 s after a 0.01 s forward; reverse order:
+    # 3000 B ready at 0.01 + 0.02 * 3/6, then 2000 B at 0.01 + 0.02 * 5/6, then 1000 B
+    b = D.dp_step_model(sizes, 2, ab, compute_seconds=0.03, strategy="bucketed",
+                        bucket_bytes=2500)
+    r = [0.02, 0.01 + 0.02 * 5 / 6, 0.03]
+    e0 = r[0] + t[2]
+    e1 = max(r[1], e0) + t[1]
+    e2 = max(r[2], e1) + t[0]
+    assert [s[2] for s in b.buckets] == pytest.approx([e0, e1, e2])
+    assert b.step == pytest.approx(max(0.03, e2))
+    assert b.hidden == pytest.approx(0.03 + sum(t) - b.step) and b.hidden > 0
+    assert D.dp_step_model(sizes, 1, ab, compute_seconds=0.03).step == 0.03
+    with pytest.raises(ValueError, match="strategy"):
+        D.dp_step_model(sizes, 2, ab, compute_seconds=0.1, strategy="ring")
+
+
+# --------------------------------------------------------------------------- stragglers
+
+def _straggler_data(workers, steps, batch=4, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(steps, batch, 5, generator=gen, dtype=torch.float64)
+          for _ in range(workers)]
+    ys = [torch.randint(0, 3, (steps, batch), generator=gen) for _ in range(workers)]
+    return xs, ys
+
+
+@pytest.mark.parametrize("b", [0, 1])
+def test_backup_workers_never_wait_for_the_straggler(b):
+    from parlearn.multi_device.data_parallel.stragglers import DelayModel
+
+    steps, workers = 3, 3
+    xs, ys = _straggler_data(workers, steps)
+    model = D.mlp([5, 4, 3], dtype=torch.float64)
+    delays = DelayModel(kind="none", slow=((3, 0.5),))     # rank 3 is always late
+    res = dist.run(_backup, workers + 1, args=(model, xs, ys, b, delays, steps),
+                   timeout=TIMEOUT)
+    server = res[0]
+    for t in range(steps):
+        used = sorted(server["accepted"][t])
+        if b == 1:
+            assert used == [1, 2] and 3 in server["late"][t]     # decided without rank 3
+        else:
+            assert used == [1, 2, 3] and server["late"][t] == []
+        want = sum(res[w]["grads"][t] for w in used) / len(used)
+        assert torch.allclose(server["grad"][t], want, rtol=0, atol=1e-15)
+        for w in used:     # the gradients used were computed at this step's parameters
+            assert torch.equal(res[w]["thetas"][t], res[1]["thetas"][t])
+        if t:
+            assert not torch.equal(res[1]["thetas"][t], res[1]["thetas"][t - 1])
+
+
+def _backup(rank, world, model, xs, ys, b, delays, steps):
+    from parlearn.multi_device.data_parallel.stragglers import worker_backup_sgd
+
+    return worker_backup_sgd(rank, world, model, xs, ys, b, delays, lr=0.1, steps=steps)
+
+
+def test_order_statistics_and_tradeoff():
+    from parlearn.multi_device.data_parallel.stragglers import (
+        DelayModel,
+        backup_tradeoff,
+        expected_order_statistic,
+    )
+
+    exp = DelayModel(kind="exponential", mean=2.0)
+    assert expected_order_statistic(1, 1, exp) == pytest.approx(2.0)
+    assert expected_order_statistic(3, 3, exp) == pytest.approx(2.0 * (1 + 1 / 2 + 1 / 3))
+    assert expected_order_statistic(1, 4, exp) == pytest.approx(2.0 / 4)
+    par = DelayModel(kind="pareto", mean=1.0, shape=3.0)
+    assert expected_order_statistic(1, 1, par) == pytest.approx(1.0)
+    # Monte Carlo from the delay model's own draws agrees with the closed forms
+    for model in (exp, par):
+        draws = torch.tensor([[model.delay(r, s) for r in range(5)] for s in range(4000)])
+        mc = draws.sort(1).values.mean(0)
+        for k in (1, 3, 5):
+            assert float(mc[k - 1]) == pytest.approx(expected_order_statistic(k, 5, model),
+                                                     rel=0.1)
+    t0 = backup_tradeoff(8, 0, exp, compute_seconds=1.0)
+    t2 = backup_tradeoff(8, 2, exp, compute_seconds=1.0)
+    assert t2["time_per_step"] < t0["time_per_step"] and t2["variance"] > t0["variance"]
+    with pytest.raises(ValueError, match="b must"):
+        backup_tradeoff(4, 4, exp, compute_seconds=1.0)
+
+
+def test_compressed_all_reduce_time_counts_its_four_collectives():
+    ab = dist.AlphaBeta(alpha=1e-3, beta=1e-6)
+    # N=2, 10 elements: 10 code bytes and 8 scale bytes, each all_to_all + all_gather,
+    # each a + n/2 b on 2 ranks (ring)
+    want = 4 * 1e-3 + 2 * (10 / 2 + 8 / 2) * 1e-6
+    assert C.compressed_all_reduce_time(10, 2, ab) == pytest.approx(want)
+    assert C.compressed_all_reduce_time(10, 1, ab) == 0.0
+
+
+def test_step_spans_and_summaries_from_event_logs():
+    ev = [("forward", "", 0.0), ("backward", "", 1.0), ("grad", "b", 1.5), ("launch", "0", 1.6),
+          ("grad", "a", 2.0), ("launch", "1", 2.1), ("done", "0", 2.5), ("done", "1", 3.0),
+          ("end", "", 3.1)]
+    spans = W.step_spans(ev, "r0")
+    assert ("r0 compute", "forward", 0.0, 1.0) in spans
+    assert ("r0 compute", "backward", 1.0, 2.0) in spans
+    assert ("r0 comm", "all-reduce bucket 0", 1.6, 2.5) in spans
+    assert ("r0 comm", "all-reduce bucket 1", 2.1, 3.0) in spans
+    naive = W.step_spans([("grad", "a", 1.0), ("reduced", "a", 1.5), ("reduced", "b", 2.5)], "r")
+    assert naive == [("r comm", "all-reduce a", 1.0, 1.5), ("r comm", "all-reduce b", 1.5, 2.5)]
+    res = [{"k": {"times": [9.0, 1.0, 2.0, 3.0], "bytes": {"all_reduce": 8}}},
+           {"k": {"times": [9.0, 4.0, 1.0, 1.0], "bytes": {"all_reduce": 8}}}]
+    s = W.summarize_steps(res)["k"]          # slowest rank per step: 4, 2, 3 after the first
+    assert s["median"] == 3.0 and s["bytes"] == {"all_reduce": 8}
+    assert D.mlp_param_bytes([3, 4, 2]) == [48, 16, 32, 8]
+
+
+def test_models_leave_the_global_rng_alone():
+    state = torch.random.get_rng_state()
+    D.TiedMLP(4, 6, 3, seed=2)
+    D.mlp([4, 6, 3], seed=2)
+    assert torch.equal(state, torch.random.get_rng_state())
+    a, b = D.mlp([4, 6, 3], seed=2), D.mlp([4, 6, 3], seed=2)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))

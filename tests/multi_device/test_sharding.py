@@ -1,0 +1,268 @@
+"""parlearn.sharding: every stage equals single-process Adam, the real engines equal it too,
+memory and bytes sent equal their models, and the JAX update with psum_scatter is exact."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from parlearn.multi_device import sharding as S
+
+# Two layers of 42 and 24 parameters: even for 2 ranks, padded for 4 (42 -> 44) and 5.
+SPEC = S.Spec(sizes=(5, 7, 3), steps=3, batch=3)
+TOL = 1e-12
+
+
+def _assert_equal_to_serial(ranks: list[dict], serial: dict) -> None:
+    for before, after in zip(serial["params"][:-1], serial["params"][1:], strict=True):
+        # The step really moves the model: equality below is not equality of two copies of
+        # the initial parameters.
+        assert (after - before).abs().max() > 1e-4
+    for out in ranks:
+        assert len(out["params"]) == len(serial["params"])
+        for got, want in zip(out["params"], serial["params"], strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=TOL)
+
+
+# --- pieces that need no ranks ---------------------------------------------------------------
+
+def test_flat_shard_pads_uneven_sizes_and_unpads_exactly():
+    shapes = [torch.Size([3]), torch.Size([2, 5])]          # 13 elements
+    tensors = [torch.arange(3.0), torch.arange(10.0).reshape(2, 5) + 100]
+    layouts = [S.FlatShard(shapes, 4, r) for r in range(4)]
+    assert layouts[0].numel == 13 and layouts[0].padded == 16 and layouts[0].padding == 3
+    assert [(lay.lo, lay.hi) for lay in layouts] == [(0, 4), (4, 8), (8, 12), (12, 16)]
+    flat = layouts[0].flatten(tensors)
+    assert flat.shape == (16,) and torch.equal(flat[13:], torch.zeros(3))
+    for got, want in zip(layouts[0].views(flat), tensors, strict=True):
+        assert torch.equal(got, want) and got.data_ptr() >= flat.data_ptr()
+    assert torch.equal(torch.cat([lay.shard(flat) for lay in layouts]), flat)
+    # Views share the buffer: writing through the flat buffer is seen by the tensor.
+    flat[3] = -1.0
+    assert layouts[0].views(flat)[1][0, 0] == -1.0
+
+
+def test_adam_on_shards_equals_torch_adam_on_the_whole_tensor(any_device):
+    gen = torch.Generator().manual_seed(1)
+    p0 = torch.randn(11, generator=gen, dtype=torch.float64).to(any_device)
+    grads = [torch.randn(11, generator=gen, dtype=torch.float64).to(any_device)
+             for _ in range(4)]
+    ref = p0.clone().requires_grad_()
+    opt = torch.optim.Adam([ref], lr=0.05, betas=(0.8, 0.99), eps=1e-6, foreach=False)
+    p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
+    for t, g in enumerate(grads, start=1):
+        ref.grad = g.clone()
+        opt.step()
+        for sl in (slice(0, 4), slice(4, 8), slice(8, 11)):     # three uneven shards
+            S.adam_update(p[sl], g[sl], m[sl], v[sl], t, lr=0.05, betas=(0.8, 0.99), eps=1e-6)
+        assert torch.equal(p, ref.detach())
+
+
+def test_storage_bytes_counts_each_storage_once_and_freed_storage_as_zero():
+    flat = torch.zeros(10, dtype=torch.float64)
+    views = [flat[:4], flat[4:], flat]
+    assert S.storage_bytes(views + [None]) == 80
+    other = torch.zeros(3, dtype=torch.float32)
+    assert S.storage_bytes([*views, other]) == 92
+    flat.untyped_storage().resize_(0)
+    assert S.storage_bytes(views + [other]) == 12
+
+
+def test_draw_stages_titles_carry_the_modeled_bytes_per_parameter():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4)
+    S.draw_stages(axes, world_size=4)
+    titles = [ax.get_title() for ax in axes]
+    plt.close(fig)
+    assert [t.split(":")[1].split()[0] for t in titles] == ["16", "7", "5.5", "4"]
+    with pytest.raises(ValueError, match="axes"):
+        S.draw_stages(axes[:2], world_size=4)
+
+
+def test_memory_model_reproduces_the_zero_paper_figure_1():
+    psi, n = 7_500_000_000, 64                  # 7.5B parameters, 64 GPUs, K = 12
+    totals = [S.memory_model(psi, n, s, "bf16-mixed")["total"] / 1e9 for s in S.STAGES]
+    assert totals == pytest.approx([120.0, 31.40625, 16.640625, 1.875])
+    fp32 = S.memory_model(1000, 4, 2, "fp32")
+    assert fp32 == {"params": 4000.0, "grads": 1000.0, "optimizer": 2000.0, "total": 7000.0}
+
+
+def test_comm_model_stage_1_2_equal_all_reduce_and_stage_3_is_one_and_a_half():
+    dp = S.comm_model(1000, 4, 0, 4)
+    assert dp == {"all_reduce": 6000.0, "total": 6000.0}        # 2 (N-1)/N * 4000 bytes
+    for stage in (1, 2):
+        assert S.comm_model(1000, 4, stage, 4)["total"] == dp["total"]
+    assert S.comm_model(1000, 4, 3, 4) == {"reduce_scatter": 3000.0, "all_gather": 6000.0,
+                                          "total": 9000.0}
+
+
+def test_gpus_needed_picks_the_fewest_ranks_that_fit():
+    psi, gib = 7_000_000_000, 2**30
+    # 16 bytes/param = 104 GiB replicated: no number of 80 GiB GPUs helps plain DP.
+    assert S.gpus_needed(psi, 80 * gib, 0) is None
+    # Stage 1: 4 psi = 26.1 GiB fixed + 78.2 GiB / N <= 80 GiB -> N = 2.
+    assert S.gpus_needed(psi, 80 * gib, 1) == 2
+    # 24 GiB cards: stage 1's fixed 26.1 GiB never fits; stage 2: 13.0 + 91.3/N -> N = 9.
+    assert S.gpus_needed(psi, 24 * gib, 1, max_gpus=4096) is None
+    assert S.gpus_needed(psi, 24 * gib, 2) == 9
+    assert S.gpus_needed(psi, 24 * gib, 3) == 5                # 104.3 / N <= 24
+
+
+def test_bad_arguments_fail_fast_with_their_names():
+    with pytest.raises(ValueError, match="stage"):
+        S.memory_model(10, 2, 4)
+    with pytest.raises(ValueError, match="precision"):
+        S.memory_model(10, 2, 1, "fp8")
+    with pytest.raises(ValueError, match="world_size"):
+        S.comm_model(10, 0, 1)
+    with pytest.raises(ValueError, match="rank"):
+        S.FlatShard([torch.Size([3])], 2, 2)
+    with pytest.raises(ValueError, match="steps"):
+        S.Spec(steps=0)
+    with pytest.raises(ValueError, match="engine"):
+        S.train_engine(SPEC, "deepspeed")
+    with pytest.raises(TypeError, match="model"):
+        S.ShardedAdam("not a model", stage=1)
+    with pytest.raises(RuntimeError, match="process group"):
+        S.ShardedAdam(S.mlp((2, 2)), stage=1)
+
+
+def test_mlp_leaves_the_global_rng_alone():
+    state = torch.get_rng_state()
+    a, b = S.mlp((4, 6, 2), seed=3), S.mlp((4, 6, 2), seed=3)
+    assert torch.equal(torch.get_rng_state(), state)
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+
+
+def test_importing_sharding_starts_neither_jax_nor_fsdp():
+    code = ("import sys, parlearn.multi_device.sharding; "
+            "bad = [m for m in ('jax', 'torch.distributed.fsdp', 'torch.distributed.optim') "
+            "if m in sys.modules]; assert not bad, bad")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root)
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+
+
+# --- from scratch on real ranks ----------------------------------------------------------------
+
+@pytest.mark.parametrize("stage,world_size", [(0, 2), (1, 2), (2, 2), (3, 2), (1, 4), (2, 5),
+                                              (3, 4), (3, 5)])
+def test_every_stage_equals_single_process_adam_step_by_step(stage, world_size):
+    ranks = S.train_sharded(SPEC, stage, world_size, timeout=60)
+    _assert_equal_to_serial(ranks, S.train_serial(SPEC, world_size))
+    for out in ranks:
+        n, padded = out["n_params"], out["padded_numel"]
+        if world_size > 2:
+            assert padded > n                      # the uneven case really is padded
+        assert padded - n < 2 * world_size         # at most N-1 per unit, two units
+        # Adam state: both moments, of the whole model (stage 0) or of this rank's shard.
+        assert out["state_numel"] == 2 * (padded if stage == 0 else padded // world_size)
+        # Bytes held after each step equal the model at the padded parameter count.
+        want = S.memory_model(padded, world_size, stage, "fp64")
+        for held in out["held"]:
+            assert held == {k: int(v) for k, v in want.items()}
+        # Bytes sent per step equal the model's (ring) figure, at the padded count.
+        for records in out["records"]:
+            wire = S.ledger_wire_bytes(records, world_size)
+            assert wire == pytest.approx(S.comm_model(padded, world_size, stage, 8)["total"])
+            kinds = [k for k, _ in records]
+            if stage == 0:
+                assert set(kinds) == {"all_reduce"}
+            else:
+                gathers = kinds.count("all_gather_single")
+                assert gathers == (4 if stage == 3 else 2)          # per unit: 2 or 1
+                assert kinds.count("reduce_scatter_single") == 2
+
+
+@pytest.mark.parametrize("stage,backwards,error", [(2, 2, "second backward"),
+                                                   (3, 2, "second backward"),
+                                                   (3, 0, "without a complete backward")])
+def test_stages_2_and_3_refuse_anything_but_one_backward_per_step(stage, backwards, error):
+    from parlearn import dist
+
+    with pytest.raises(dist.RankError, match=error):
+        dist.run(S._worker_misuse, 2, args=(SPEC, stage, backwards), backend="gloo",
+                 timeout=30)
+    # One backward per step is fine (the exactness tests train that way).
+    dist.run(S._worker_misuse, 2, args=(SPEC, stage, 1), backend="gloo", timeout=30)
+
+
+def test_stages_1_and_2_send_exactly_what_plain_dp_sends():
+    ws = 2
+    sent = {s: [S.ledger_wire_bytes(r, ws) for r in S.train_sharded(SPEC, s, ws)[0]["records"]]
+            for s in (0, 1, 2)}
+    assert sent[0][0] > 0
+    assert sent[1] == sent[0] and sent[2] == sent[0]
+
+
+@pytest.mark.parametrize("sizes", [(5, 7, 3), (16, 48, 48, 10), (64, 96, 33)])
+def test_measured_memory_equals_the_model_for_three_model_sizes(sizes):
+    ws = 2
+    spec = S.Spec(sizes=sizes, steps=1, batch=2)
+    for out in S.measure_memory(spec, ws, timeout=60):
+        padded = out["padded_numel"]
+        assert 0 <= padded - spec.n_params < ws * (len(sizes) - 1)
+        for stage in S.STAGES:
+            want = S.memory_model(padded, ws, stage, "fp64")
+            assert out[stage] == {k: int(v) for k, v in want.items()}, stage
+        # And what sharding buys: each stage holds strictly less than the one before.
+        totals = [out[s]["total"] for s in S.STAGES]
+        assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
+
+
+# --- the real engines -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("engine,stage", [("zero", 1), ("fsdp2", 3)])
+def test_real_engines_equal_the_from_scratch_stages(engine, stage):
+    ws = 2
+    ours = S.train_sharded(SPEC, stage, ws)
+    theirs = S.train_engine(SPEC, engine, ws, timeout=90)
+    _assert_equal_to_serial(theirs, S.train_serial(SPEC, ws))
+    for a, b in zip(ours, theirs, strict=True):
+        for pa, pb in zip(a["params"], b["params"], strict=True):
+            torch.testing.assert_close(pa, pb, rtol=0, atol=TOL)
+    state = [out["state_numel"] for out in theirs]
+    if engine == "zero":
+        # Whole tensors go to ranks: the state adds up to the model's but is not split evenly.
+        assert sum(state) == 2 * SPEC.n_params
+    else:
+        # FSDP2 splits every tensor along dim 0: each rank about half, never the whole.
+        assert all(s < 2 * SPEC.n_params for s in state)
+        assert sum(state) == 2 * SPEC.n_params
+        # ...and issues the collectives of our stage 3: per unit and step, two all-gathers
+        # of the parameters (forward, backward) and one reduce-scatter of the gradient.
+        for a, b in zip(ours, theirs, strict=True):
+            for mine, fsdp in zip(a["records"], b["records"], strict=True):
+                assert sorted(k for k, _ in fsdp) == sorted(k for k, _ in mine)
+                # FSDP2 pads each tensor's dim 0, we pad each flat unit: it sends no less.
+                assert S.ledger_wire_bytes(fsdp, ws) >= S.ledger_wire_bytes(mine, ws)
+
+
+# --- JAX ----------------------------------------------------------------------------------------
+
+def test_jax_psum_scatter_update_equals_unsharded_and_hlo_has_a_reduce_scatter():
+    out = S.jax_sharded_adam_subprocess(8, timeout=300)
+    assert out["n_devices"] == 8 and out["padded"] > out["numel"]
+    assert out["max_update"] > 1e-4                  # the steps move the weights...
+    assert out["max_abs_diff"] < 1e-13               # ...and both versions move them alike
+    counts = out["collectives"]
+    assert counts["reduce-scatter"] == 1 and counts["all-gather"] == 1
+    assert counts["all-reduce"] == 0
+    assert out["hlo_shapes"]["reduce-scatter"] == [f"f64[{out['padded'] // 8}]{{0}}"]
+
+
+# --- bench ------------------------------------------------------------------------------------
+
+def test_bench_quick_rows_report_memory_measured_equal_to_model():
+    rows = S.bench(torch.device("cpu"), True)
+    assert [r.variant for r in rows] == ["ZeRO-1 step", "ZeRO-2 step", "ZeRO-3 step"]
+    assert all(r.met for r in rows) and all(r.ratio > 0 for r in rows)
