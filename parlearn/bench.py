@@ -36,7 +36,7 @@ BENCHES: dict[str, tuple[str, str]] = {
                       "DP step: bucketed vs naive; 8-bit vs fp32"),
     "sharding": ("parlearn.multi_device.sharding",
                  "ZeRO 1-3 on 2 gloo ranks: bytes per rank measured vs modeled; step vs plain DP"),
-    "pipeline": ("parlearn.multi_device.pipeline",
+    "pipeline": ("parlearn.multi_device.pipeline.runtime",
                  "1F1B bubble measured vs (P-1)/(M+P-1); balanced vs equal split"),
     "tensor_parallel": ("parlearn.multi_device.tensor_parallel",
                         "Megatron block and planned tilings: counted vs modeled comm bytes"),

@@ -1,0 +1,98 @@
+"""Cutting the layers into stages: the equal split, and balanced by measured cost (LAMP).
+
+A partition is a list of layer counts, one per stage (:func:`split_layers` turns it into
+layer ranges). :func:`partition_equal` is the naive split; :func:`partition_balanced` the
+contiguous split whose slowest stage is fastest, from per-layer costs such as the
+measured :func:`layer_costs`, in the spirit of LAMP.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from parlearn.core.checks import check_float, check_int, check_module, check_tensor
+
+__all__ = ["split_layers", "partition_equal", "partition_balanced", "stage_costs",
+           "layer_costs"]
+
+
+# ---------------------------------------------------------------------------------------
+# Partitioning (in the spirit of LAMP): balanced contiguous stages from measured costs.
+
+def split_layers(n_layers: int, counts: Sequence[int]) -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` layer ranges of the stages with ``counts[s]`` layers each."""
+    counts = [check_int("counts", c, lo=1) for c in counts]
+    if sum(counts) != n_layers:
+        raise ValueError(f"counts {counts} must add up to the {n_layers} layers")
+    ends = [sum(counts[:i + 1]) for i in range(len(counts))]
+    return [(e - c, e) for e, c in zip(ends, counts, strict=True)]
+
+
+def partition_equal(n_layers: int, stages: int) -> list[int]:
+    """The naive split: layer counts as equal as they can be (the first stages get the
+    extra ones), whatever each layer costs."""
+    n_layers = check_int("n_layers", n_layers, lo=1)
+    stages = check_int("stages", stages, lo=1, hi=n_layers)
+    q, r = divmod(n_layers, stages)
+    return [q + (s < r) for s in range(stages)]
+
+
+def stage_costs(costs: Sequence[float], counts: Sequence[int]) -> list[float]:
+    """The summed cost of each stage's layers."""
+    return [sum(costs[a:b]) for a, b in split_layers(len(costs), counts)]
+
+
+def partition_balanced(costs: Sequence[float], stages: int) -> list[int]:
+    """Layer counts of the contiguous split of ``costs`` into ``stages`` non-empty stages
+    whose largest stage cost is smallest (the slowest stage sets a pipeline's pace).
+    Dynamic programming: ``best[k][i]`` = the smallest max-stage cost of the first ``i``
+    layers in ``k`` stages ``= min_j max(best[k-1][j], sum(costs[j:i]))``; O(P n^2)."""
+    costs = [check_float("costs", c, lo=0) for c in costs]
+    n = len(costs)
+    stages = check_int("stages", stages, lo=1, hi=max(n, 1))
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    counts, i = [], n
+    for k in range(stages, 0, -1):
+        counts.append(i - cut[k][i])
+        i = cut[k][i]
+    return counts[::-1]
+
+
+def layer_costs(model: nn.Sequential, x: torch.Tensor, *, repeat: int = 5) -> list[float]:
+    """Measured seconds of each layer's forward + backward on the activations ``x`` would
+    give it (median of ``repeat`` timed runs after one warm-up), with one intra-op thread:
+    what each rank of :func:`run_pipeline` runs with (the caller's count is restored)."""
+    from parlearn.core.timing import measure
+
+    check_module("model", model)
+    check_tensor("x", x, ndim=2)
+    repeat = check_int("repeat", repeat, lo=1)
+    costs, h = [], x.detach()
+    for layer in model:
+        inp = h.detach().requires_grad_(True)
+        layer_copy = copy.deepcopy(layer)
+
+        def step(layer=layer_copy, inp=inp):
+            out = layer(inp)
+            torch.autograd.grad(out.sum(), [inp, *layer.parameters()])
+
+        costs.append(measure(step, warmup=1, repeat=repeat, threads=1).median)
+        with torch.no_grad():
+            h = layer(h)
+    return costs

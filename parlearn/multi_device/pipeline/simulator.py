@@ -1,0 +1,182 @@
+"""The pipeline simulator (modeled): the timeline of each rank's orders under per-stage costs.
+
+:func:`simulate` runs the orders of :func:`parlearn.multi_device.pipeline.schedules.schedule`
+(or any others) on a model machine and returns a :class:`Simulation`: the timeline, the
+makespan, the bubble and the activations each stage holds at once. Beside it, a
+reconstruction of AMDP (:func:`simulate_bidirectional`, modeled only): two pipelines
+running in opposite directions over the same devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from parlearn.core.checks import check_float, check_int
+from parlearn.multi_device.pipeline.schedules import Op, schedule
+
+__all__ = ["Simulation", "simulate", "simulate_bidirectional"]
+
+
+# ---------------------------------------------------------------------------------------
+# The simulator (modeled): the timeline of a list of orders under per-stage costs.
+
+@dataclass
+class Simulation:
+    """A modeled timeline. ``events`` are ``(lane, label, start, end)`` in cost units
+    (for :func:`parlearn.viz.timeline`); ``makespan`` is the last end; ``bubble`` the idle
+    fraction ``1 - busy / (P * makespan)``; ``peak_in_flight[s]`` the most micro-batches whose
+    activations stage ``s`` holds at once (from the start of F until the end of the op that
+    frees them: B, or W in ``"zb"``)."""
+
+    events: list[tuple[str, str, float, float]]
+    makespan: float
+    bubble: float
+    busy: list[float]
+    peak_in_flight: list[int]
+
+
+def _per_stage(name: str, value, stages: int) -> list[float]:
+    if isinstance(value, (int, float)):
+        value = [value] * stages
+    value = [check_float(name, v, lo=0) for v in value]
+    if len(value) != stages:
+        raise ValueError(f"{name} must have one cost per stage ({stages}), got {len(value)}")
+    return value
+
+
+def simulate(orders: Sequence[Sequence[Op]], cost_f: float | Sequence[float] = 1.0,
+             cost_b: float | Sequence[float] = 2.0, cost_w: float | Sequence[float] = 0.0,
+             comm: float = 0.0, *, lanes: Sequence[str] | None = None) -> Simulation:
+    """Run ``orders`` (one list of :class:`Op` per stage, e.g. from :func:`schedule`) on a
+    model machine: every op starts when its rank is free and its input has arrived, where
+    ``F m`` on stage ``s`` needs ``F m`` of ``s-1``, ``B m`` needs ``B m`` of ``s+1`` (the last
+    stage: its own ``F m``), and ``W m`` its own ``B m``; a message takes ``comm``. Costs are
+    per stage (a number means equal stages). When the orders contain ``W`` ops, ``cost_b`` is
+    the input-gradient part only and ``cost_w`` the weight-gradient part; otherwise a ``B``
+    costs ``cost_b`` and ``cost_w`` must be 0 (include it in ``cost_b``). Raises ValueError
+    if the orders deadlock."""
+    stages = len(orders)
+    if stages < 1:
+        raise ValueError("orders must list at least one stage")
+    cf, cb, cw = (_per_stage(n, v, stages) for n, v in
+                  (("cost_f", cost_f), ("cost_b", cost_b), ("cost_w", cost_w)))
+    comm = check_float("comm", comm, lo=0)
+    has_w = any(op.kind == "W" for ops in orders for op in ops)
+    if not has_w and any(cw):
+        raise ValueError("cost_w > 0 but the orders have no W ops: add it to cost_b")
+    lanes = [f"stage {s}" for s in range(stages)] if lanes is None else list(lanes)
+    cost = {"F": cf, "B": cb, "W": cw}
+    done: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * stages
+    pos = [0] * stages
+    events = []
+    mem, peak = [0] * stages, [0] * stages
+    release = "W" if has_w else "B"
+    held: list[list[tuple[float, int]]] = [[] for _ in range(stages)]   # (time, +-1)
+    while any(pos[s] < len(orders[s]) for s in range(stages)):
+        progressed = False
+        for s in range(stages):
+            while pos[s] < len(orders[s]):
+                op = orders[s][pos[s]]
+                if op.kind == "F":
+                    dep = ("F", s - 1, op.mb) if s > 0 else None
+                elif op.kind == "B":
+                    dep = ("B", s + 1, op.mb) if s < stages - 1 else ("F", s, op.mb)
+                elif op.kind == "W":
+                    dep = ("B", s, op.mb)
+                else:
+                    raise ValueError(f"unknown op kind {op.kind!r} in orders[{s}]")
+                if dep is not None and dep not in done:
+                    break
+                arrive = 0.0 if dep is None else done[dep] + (comm if dep[1] != s else 0.0)
+                start = max(free[s], arrive)
+                end = start + cost[op.kind][s]
+                done[(op.kind, s, op.mb)] = end
+                free[s] = end
+                events.append((lanes[s], f"{op.kind} {op.mb}", start, end))
+                if op.kind == "F":
+                    held[s].append((start, 1))
+                if op.kind == release:
+                    held[s].append((end, -1))
+                pos[s] += 1
+                progressed = True
+        if not progressed:
+            stuck = {s: str(orders[s][pos[s]]) for s in range(stages) if pos[s] < len(orders[s])}
+            raise ValueError(f"the orders deadlock: stages wait at {stuck}")
+    for s in range(stages):
+        # Frees before takes at the same instant: a slot reused at once is not two slots.
+        for _, delta in sorted(held[s], key=lambda e: (e[0], e[1])):
+            mem[s] += delta
+            peak[s] = max(peak[s], mem[s])
+    makespan = max(free)
+    busy = [sum(e[3] - e[2] for e in events if e[0] == lanes[s]) for s in range(stages)]
+    bubble = 1.0 - sum(busy) / (stages * makespan) if makespan > 0 else 0.0
+    return Simulation(events, makespan, bubble, busy, peak)
+
+
+# ---------------------------------------------------------------------------------------
+# AMDP, reconstructed: pipelines running in opposite directions over the same devices.
+
+def simulate_bidirectional(stages: int, micro_batches: int, cost_f: float = 1.0,
+                           cost_b: float = 2.0) -> Simulation:
+    """RECONSTRUCTION (modeled). Of "Asynchronous Multi-Directional Pipeline Parallelism for
+    Large-Scale Models Training" (2026) only the title could be read; this is our own
+    reading of it, in the spirit of bidirectional schedules such as Chimera (Li & Hoefler
+    2021), not the paper's algorithm. Two replicas of the model run as two pipelines over the
+    same ``P`` devices, one mapping stage ``s`` to device ``s`` ("down"), the other to device
+    ``P-1-s`` ("up"); each takes ``micro_batches / 2`` micro-batches in 1F1B order. Each
+    device runs, among the next ops of its two stages, the one that can start first (ties:
+    backward first): list scheduling with no global step. Equal stage costs; the gradient
+    all-reduce between the replicas and their doubled weight memory are NOT modeled.
+    Compare its ``bubble`` with ``simulate(schedule("1f1b", P, M))``."""
+    stages = check_int("stages", stages, lo=2)
+    micro_batches = check_int("micro_batches", micro_batches, lo=2)
+    if micro_batches % 2:
+        raise ValueError(f"micro_batches must be even (half per direction), got {micro_batches}")
+    cf, cb = check_float("cost_f", cost_f, lo=0), check_float("cost_b", cost_b, lo=0)
+    half = micro_batches // 2
+    one = schedule("1f1b", stages, half)
+    dirs = ("down", "up")
+    device = {("down", s): s for s in range(stages)} | {("up", s): stages - 1 - s
+                                                      for s in range(stages)}
+    pos = {key: 0 for key in device}
+    done: dict[tuple[str, str, int, int], float] = {}
+    free = [0.0] * stages
+    events = []
+    while any(pos[key] < len(one[key[1]]) for key in device):
+        best = None
+        for (d, s), dev in device.items():
+            if pos[(d, s)] == len(one[s]):
+                continue
+            op = one[s][pos[(d, s)]]
+            if op.kind == "F":
+                dep = (d, "F", s - 1, op.mb) if s > 0 else None
+            else:
+                dep = (d, "B", s + 1, op.mb) if s < stages - 1 else (d, "F", s, op.mb)
+            if dep is not None and dep not in done:
+                continue
+            start = max(free[dev], 0.0 if dep is None else done[dep])
+            rank = (start, op.kind != "B", dirs.index(d))
+            if best is None or rank < best[0]:
+                best = (rank, d, s, dev, op)
+        if best is None:
+            raise AssertionError("bidirectional schedule deadlocked")  # cannot happen
+        (start, _, _), d, s, dev, op = best
+        end = start + (cf if op.kind == "F" else cb)
+        done[(d, op.kind, s, op.mb)] = end
+        free[dev] = end
+        pos[(d, s)] += 1
+        events.append((f"device {dev}", f"{op.kind}{d} {op.mb}", start, end))
+    makespan = max(free)
+    busy = [sum(e[3] - e[2] for e in events if e[0] == f"device {v}") for v in range(stages)]
+    peak = []
+    for v in range(stages):
+        held = sorted([(e[2], 1) for e in events if e[0] == f"device {v}" and e[1][0] == "F"]
+                      + [(e[3], -1) for e in events if e[0] == f"device {v}" and e[1][0] == "B"])
+        level, top = 0, 0
+        for _, delta in held:
+            level += delta
+            top = max(top, level)
+        peak.append(top)
+    return Simulation(events, makespan, 1.0 - sum(busy) / (stages * makespan), busy, peak)
