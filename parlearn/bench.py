@@ -34,7 +34,7 @@ BENCHES: dict[str, tuple[str, str]] = {
              "ring all-reduce from send/recv vs all_reduce; measured/modeled"),
     "data_parallel": ("parlearn.multi_device.data_parallel.workers",
                       "DP step: bucketed vs naive; 8-bit vs fp32"),
-    "sharding": ("parlearn.multi_device.sharding",
+    "sharding": ("parlearn.multi_device.sharding.training",
                  "ZeRO 1-3 on 2 gloo ranks: bytes per rank measured vs modeled; step vs plain DP"),
     "pipeline": ("parlearn.multi_device.pipeline.runtime",
                  "1F1B bubble measured vs (P-1)/(M+P-1); balanced vs equal split"),
