@@ -40,7 +40,7 @@ BENCHES: dict[str, tuple[str, str]] = {
                  "1F1B bubble measured vs (P-1)/(M+P-1); balanced vs equal split"),
     "tensor_parallel": ("parlearn.multi_device.tensor_parallel",
                         "Megatron block and planned tilings: counted vs modeled comm bytes"),
-    "batching": ("parlearn.multi_device.batching",
+    "batching": ("parlearn.multi_device.batching.tradeoff",
                  "examples and steps to a target loss: SimiGrad vs fixed batches (counted)"),
     # Part 2: breaking backprop's serial chain
     "leapfrog": ("parlearn.serial_chain.leapfrog",
