@@ -38,7 +38,7 @@ BENCHES: dict[str, tuple[str, str]] = {
                  "ZeRO 1-3 on 2 gloo ranks: bytes per rank measured vs modeled; step vs plain DP"),
     "pipeline": ("parlearn.multi_device.pipeline",
                  "1F1B bubble measured vs (P-1)/(M+P-1); balanced vs equal split"),
-    "tensor_parallel": ("parlearn.multi_device.tensor_parallel",
+    "tensor_parallel": ("parlearn.multi_device.tensor_parallel.conv",
                         "Megatron block and planned tilings: counted vs modeled comm bytes"),
     "batching": ("parlearn.multi_device.batching",
                  "examples and steps to a target loss: SimiGrad vs fixed batches (counted)"),
