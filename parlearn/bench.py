@@ -45,7 +45,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     # Part 2: breaking backprop's serial chain
     "leapfrog": ("parlearn.serial_chain.leapfrog",
                  "backward schedules on a deep narrow MLP: leapfrog/segments vs serial"),
-    "multigrid": ("parlearn.serial_chain.multigrid",
+    "multigrid": ("parlearn.serial_chain.multigrid.cost",
                   "layer-parallel forward/backward (MGRIT) vs the best serial ResNet"),
     "local": ("parlearn.serial_chain.local",
               "asynchronous local-heads pipeline vs pipelined backprop on the same 2 ranks"),
