@@ -43,7 +43,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "batching": ("parlearn.multi_device.batching",
                  "examples and steps to a target loss: SimiGrad vs fixed batches (counted)"),
     # Part 2: breaking backprop's serial chain
-    "leapfrog": ("parlearn.serial_chain.leapfrog",
+    "leapfrog": ("parlearn.serial_chain.leapfrog.cost",
                  "backward schedules on a deep narrow MLP: leapfrog/segments vs serial"),
     "multigrid": ("parlearn.serial_chain.multigrid.cost",
                   "layer-parallel forward/backward (MGRIT) vs the best serial ResNet"),
