@@ -47,7 +47,7 @@ BENCHES: dict[str, tuple[str, str]] = {
                  "backward schedules on a deep narrow MLP: leapfrog/segments vs serial"),
     "multigrid": ("parlearn.serial_chain.multigrid.cost",
                   "layer-parallel forward/backward (MGRIT) vs the best serial ResNet"),
-    "local": ("parlearn.serial_chain.local",
+    "local": ("parlearn.serial_chain.local.cost",
               "asynchronous local-heads pipeline vs pipelined backprop on the same 2 ranks"),
     # Part 3: many copies at once
     "dither": ("parlearn.many_copies.dither",
