@@ -248,7 +248,7 @@ def test_failing_task_restores_threads_and_joins_workers(monkeypatch, mode):
             raise ArithmeticError("injected failure in a weight-gradient task")
         return real(layer, a, delta)
 
-    monkeypatch.setattr(leapfrog, "weight_grads", failing)
+    monkeypatch.setattr(leapfrog.schedules, "weight_grads", failing)  # the caller looks it up
     with device.threads(3):
         with pytest.raises(ArithmeticError, match="injected"):
             leapfrog.grad(model, CE, x, y, workers=3, mode=mode)
@@ -265,7 +265,7 @@ def test_workers_use_the_threads_asked_for(monkeypatch):
         seen.append(torch.get_num_threads())
         return real(layer, a, delta)
 
-    monkeypatch.setattr(leapfrog, "weight_grads", spy)
+    monkeypatch.setattr(leapfrog.schedules, "weight_grads", spy)  # the caller looks it up
     model = _mlp(torch.float64)
     x, y = torch.randn(4, 12, dtype=torch.float64), torch.randint(0, 3, (4,))
     with device.threads(4):

@@ -1,6 +1,6 @@
-"""parlearn.tp_plan: the tiling DP against brute force, its bytes against the collectives XLA
-inserts, the 2^k recursion against the joint optimum, SplitBrain's hybrid with conv layers,
-the two-level plan against brute force."""
+"""parlearn.tensor_parallel's planner (plan, plan_levels, plan_hlo): the tiling DP against
+brute force, its bytes against the collectives XLA inserts, the 2^k recursion against the
+joint optimum, SplitBrain's hybrid with conv layers, the two-level plan against brute force."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from parlearn.multi_device import tensor_parallel as tp
-from parlearn.multi_device import tp_plan as plan
+from parlearn.multi_device.tensor_parallel import plan, plan_hlo, plan_levels
 
 # ---- the tiling search ---------------------------------------------------------------
 
@@ -40,18 +40,18 @@ def test_one_cut_dp_is_optimal_against_brute_force(groups):
 
 def test_recursive_plan_one_level_is_the_one_cut_and_levels_add_up():
     widths, batch = [64, 256, 64, 128], 32
-    (cuts,), cost = plan.recursive_plan(batch, widths, 1)
+    (cuts,), cost = plan_levels.recursive_plan(batch, widths, 1)
     assert (cuts, cost) == tuple(plan.best_one_cut(batch, widths, 2))
-    per_level, total = plan.recursive_plan(batch, widths, 3)
+    per_level, total = plan_levels.recursive_plan(batch, widths, 3)
     assert len(per_level) == 3 and total > cost
-    assert plan.plan_levels_cost(per_level, batch, widths) == total
+    assert plan_levels.plan_levels_cost(per_level, batch, widths) == total
     # Each level is the one-cut optimum on the shapes the levels before it left.
     for k in (1, 2):
-        chosen = plan.plan_levels_cost(per_level[:k + 1], batch, widths)
+        chosen = plan_levels.plan_levels_cost(per_level[:k + 1], batch, widths)
         for alt in itertools.product(plan.CUTS, repeat=3):
-            assert plan.plan_levels_cost([*per_level[:k], alt], batch, widths) >= chosen
+            assert plan_levels.plan_levels_cost([*per_level[:k], alt], batch, widths) >= chosen
     with pytest.raises(ValueError, match="even"):
-        plan.recursive_plan(2, [3, 5], 3)
+        plan_levels.recursive_plan(2, [3, 5], 3)
 
 
 def test_planner_validates_arguments():
@@ -70,10 +70,10 @@ def test_predicted_bytes_equal_the_collectives_xla_inserts_on_8_devices():
              ("row", "row", "row"),            # row-sharded throughout
              ("column", "row", "batch"),       # Megatron block, then data parallel
              ("batch", "row", "column")]       # with an all-to-all re-tiling
-    hlo = plan.hlo_collectives(plans, batch, widths, devices=8, timeout=240)
+    hlo = plan_hlo.hlo_collectives(plans, batch, widths, devices=8, timeout=240)
     for cuts, ops in zip(plans, hlo, strict=True):
-        predicted = plan.bytes_by_kind(plan.plan_collectives(cuts, batch, widths, 8))
-        assert plan.bytes_by_kind(ops) == predicted, cuts
+        predicted = plan_hlo.bytes_by_kind(plan.plan_collectives(cuts, batch, widths, 8))
+        assert plan_hlo.bytes_by_kind(ops) == predicted, cuts
         assert predicted  # every one of these plans communicates
 
 
@@ -88,7 +88,8 @@ def _brute_two_level(batch, net, devices, m, flops, bw):
             continue
         for cut_points in itertools.combinations(range(1, layers), stages - 1):
             bounds = [0, *cut_points, layers]
-            slowest = max(plan._stage_time(mb, net, i, j, group, j == layers, flops, bw, 4)[0]
+            slowest = max(plan_levels._stage_time(mb, net, i, j, group, j == layers, flops, bw,
+                                                  4)[0]
                           for i, j in itertools.pairwise(bounds))
             best = min(best, (m + stages - 1) * slowest)
     return best
@@ -102,7 +103,7 @@ def test_two_level_plan_is_optimal_against_brute_force():
         devices = [1, 2, 4, 8][int(torch.randint(0, 4, (1,), generator=g))]
         m = [1, 2, 4][int(torch.randint(0, 3, (1,), generator=g))]
         bw = [1e9, 5e10, 5e11][int(torch.randint(0, 3, (1,), generator=g))]
-        res = plan.two_level_plan(64, widths, devices, m, 1e14, bw)
+        res = plan_levels.two_level_plan(64, widths, devices, m, 1e14, bw)
         assert res["step_s"] == pytest.approx(_brute_two_level(64, widths, devices, m, 1e14, bw),
                                                rel=1e-12)
         assert [s for s, _ in res["stages"]][0] == 0 and res["stages"][-1][1] == layers
@@ -112,13 +113,13 @@ def test_two_level_plan_is_optimal_against_brute_force():
 
 def test_two_level_plan_corners():
     widths = [256, 256, 256, 256]
-    one = plan.two_level_plan(32, widths, 1, 1, 1e12, 1e9)
+    one = plan_levels.two_level_plan(32, widths, 1, 1, 1e12, 1e9)
     assert one["step_s"] == pytest.approx(6 * 32 * 3 * 256 * 256 / 1e12)  # serial compute
     # Slow network, tiny layers, big batch: data parallelism on every device.
-    dp = plan.two_level_plan(4096, [16, 16, 16], 4, 1, 1e12, 1e9)
+    dp = plan_levels.two_level_plan(4096, [16, 16, 16], 4, 1, 1e12, 1e9)
     assert dp["group"] == 4 and dp["cuts"] == [["batch", "batch"]]
     with pytest.raises(ValueError, match="microbatches"):
-        plan.two_level_plan(30, widths, 2, 4, 1e12, 1e9)
+        plan_levels.two_level_plan(30, widths, 2, 4, 1e12, 1e9)
 
 
 # ---- conv layers and SplitBrain's hybrid ----------------------------------------------
@@ -183,7 +184,7 @@ def test_long_inputs_one_sample_cut_along_positions_else_along_the_batch():
 
 def test_two_level_plan_takes_conv_layers():
     for bw in (1e9, 1e11, 1e13):
-        res = plan.two_level_plan(64, CNN, 8, 2, 1e14, bw)
+        res = plan_levels.two_level_plan(64, CNN, 8, 2, 1e14, bw)
         assert res["step_s"] == pytest.approx(_brute_two_level(64, CNN, 8, 2, 1e14, bw),
                                               rel=1e-12)
         assert res["step_s"] == pytest.approx((2 + len(res["stages"]) - 1) * max(res["stage_s"]))
@@ -208,9 +209,10 @@ def test_joint_dp_equals_brute_force_over_all_k_level_tilings(levels):
         batch = 8 * int(torch.randint(1, 33, (1,), generator=g))
         if levels == 3 and len(plan.network(net)) > 2:
             net = plan.network(net)[:2]
-        per_level, cost = plan.joint_plan(batch, net, levels)
-        assert cost == pytest.approx(plan.brute_force_joint(batch, net, levels)[1], rel=1e-12)
-        assert plan.plan_levels_cost(per_level, batch, net) == pytest.approx(cost, rel=1e-12)
+        per_level, cost = plan_levels.joint_plan(batch, net, levels)
+        assert cost == pytest.approx(plan_levels.brute_force_joint(batch, net, levels)[1],
+                                     rel=1e-12)
+        assert plan_levels.plan_levels_cost(per_level, batch, net) == pytest.approx(cost, rel=1e-12)
 
 
 def test_greedy_recursion_is_never_better_than_the_joint_optimum():
@@ -219,9 +221,9 @@ def test_greedy_recursion_is_never_better_than_the_joint_optimum():
         widths = _random_chain(g)
         batch = 8 * int(torch.randint(1, 33, (1,), generator=g))
         for levels in (1, 2, 3):
-            greedy, g_cost = plan.recursive_plan(batch, widths, levels)
-            _, j_cost = plan.joint_plan(batch, widths, levels)
-            assert plan.plan_levels_cost(greedy, batch, widths) == g_cost
+            greedy, g_cost = plan_levels.recursive_plan(batch, widths, levels)
+            _, j_cost = plan_levels.joint_plan(batch, widths, levels)
+            assert plan_levels.plan_levels_cost(greedy, batch, widths) == g_cost
             assert g_cost >= j_cost * (1 - 1e-12)
             if levels == 1 or len(widths) == 2:  # one level, or one layer: equal
                 assert g_cost == pytest.approx(j_cost, rel=1e-12)
@@ -230,14 +232,14 @@ def test_greedy_recursion_is_never_better_than_the_joint_optimum():
 @pytest.mark.parametrize("batch, widths, levels", [(16, [256, 16, 32, 128], 2),
                                                    (1024, [512, 16, 1024], 3)])
 def test_greedy_recursion_can_be_worse_than_the_joint_optimum(batch, widths, levels):
-    greedy, g_cost = plan.recursive_plan(batch, widths, levels)
-    joint, j_cost = plan.brute_force_joint(batch, widths, levels)
-    assert plan.joint_plan(batch, widths, levels)[1] == j_cost
+    greedy, g_cost = plan_levels.recursive_plan(batch, widths, levels)
+    joint, j_cost = plan_levels.brute_force_joint(batch, widths, levels)
+    assert plan_levels.joint_plan(batch, widths, levels)[1] == j_cost
     assert g_cost > 1.03 * j_cost
     assert greedy[0] != joint[0]  # the best first cut is not the first cut of the best plan
     # Greedy's first level is no worse on its own (strictly better in the first case): the
     # loss comes from the shapes it leaves to the later levels.
-    first = [plan.plan_levels_cost([p[0]], batch, widths) for p in (greedy, joint)]
+    first = [plan_levels.plan_levels_cost([p[0]], batch, widths) for p in (greedy, joint)]
     assert first[0] < first[1] if batch == 16 else first[0] <= first[1]
 
 
@@ -249,9 +251,9 @@ def test_greedy_recursion_can_be_worse_than_the_joint_optimum(batch, widths, lev
     (lambda: plan.best_one_cut(4, [4, 4], allowed=[["batch"], ["row"]]), "allowed"),
     (lambda: plan.best_one_cut(4, [4, 4], allowed=[["spatial"]]), "allowed"),
     (lambda: plan.best_one_cut(3, [3, 3], groups=2), "divisible"),
-    (lambda: plan.recursive_plan(4, [4, 4], 0), "levels"),
-    (lambda: plan.joint_plan(2, [3, 3], 2), "halved"),
-    (lambda: plan.plan_levels_cost([["batch"]], 3, [4, 4]), "even"),
+    (lambda: plan_levels.recursive_plan(4, [4, 4], 0), "levels"),
+    (lambda: plan_levels.joint_plan(2, [3, 3], 2), "halved"),
+    (lambda: plan_levels.plan_levels_cost([["batch"]], 3, [4, 4]), "even"),
     (lambda: plan.is_splitbrain(["batch"], [4, 4, 4]), "cuts"),
 ])
 def test_planner_bad_calls_fail_fast(call, match):
@@ -260,5 +262,6 @@ def test_planner_bad_calls_fail_fast(call, match):
 
 
 def test_tensor_parallel_re_exports_the_planner():
-    for name in plan.__all__:
-        assert getattr(tp, name) is getattr(plan, name)
+    for module in (plan, plan_levels, plan_hlo):
+        for name in module.__all__:
+            assert getattr(tp, name) is getattr(module, name)

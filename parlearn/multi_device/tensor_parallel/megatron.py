@@ -1,0 +1,219 @@
+"""Megatron's split linear layers, from scratch beside DTensor (lesson 14).
+
+Megatron-LM (Shoeybi et al. 2019) splits an MLP block ``Y = gelu(X A) B`` over ``N`` ranks:
+``A`` by columns (rank ``r`` holds ``A[:, r-th chunk]`` and computes its slice of the
+hidden activation with no communication, because gelu acts elementwise), ``B`` by rows
+(rank ``r`` holds ``B[r-th chunk, :]`` and computes a partial sum of ``Y``). Two conjugate
+autograd functions place the only communication:
+
+- ``f`` (:class:`CopyToRanks`): identity forward, all-reduce of the gradient backward
+  (every rank used the same ``X``, so ``dX`` is the sum of the ranks' contributions);
+- ``g`` (:class:`SumOverRanks`): all-reduce forward (the partial sums of ``Y``), identity
+  backward.
+
+One block therefore costs one all-reduce of ``|Y|`` forward and one of ``|X|`` backward.
+:class:`ColumnParallelLinear` and :class:`RowParallelLinear` are built here from an
+unsharded ``nn.Linear`` (so the serial reference is that layer), and
+:func:`megatron_worker` checks them, beside DTensor's ``parallelize_module`` with
+``ColwiseParallel`` / ``RowwiseParallel``, against the unsharded block on real ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as tdist
+import torch.nn.functional as F
+from torch import nn
+
+from parlearn.core.checks import check_int, check_module, check_seed
+
+__all__ = ["CopyToRanks", "SumOverRanks", "ColumnParallelLinear", "RowParallelLinear",
+           "MegatronMLP", "serial_mlp", "megatron_worker", "megatron_check"]
+
+
+# ---------------------------------------------------------------------------------------
+# Megatron: f and g, and the split layers (worker-side: need an initialised group).
+
+class CopyToRanks(torch.autograd.Function):
+    """Megatron's ``f``: identity forward; all-reduce (sum) of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        tdist.all_reduce(grad)
+        return grad
+
+
+class SumOverRanks(torch.autograd.Function):
+    """Megatron's ``g``: all-reduce (sum) forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous().clone()
+        tdist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _chunk(n: int, rank: int, world_size: int) -> slice:
+    if n % world_size:
+        raise ValueError(f"width {n} must be divisible by world_size={world_size}")
+    size = n // world_size
+    return slice(rank * size, (rank + 1) * size)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Rank ``rank``'s share of ``full`` split by output features (columns of ``x @ W.T``'s
+    weight matrix ``W.T``): ``forward(x)`` returns this rank's slice of ``full(x)``, with
+    ``f`` on the input so that ``dx`` is summed over ranks. ``full`` is not modified."""
+
+    def __init__(self, full: nn.Linear, rank: int, world_size: int):
+        super().__init__()
+        check_module("full", full)
+        world_size = check_int("world_size", world_size, lo=1)
+        rank = check_int("rank", rank, lo=0, hi=world_size - 1)
+        part = _chunk(full.out_features, rank, world_size)
+        self.weight = nn.Parameter(full.weight.detach()[part].clone())
+        self.bias = (nn.Parameter(full.bias.detach()[part].clone())
+                     if full.bias is not None else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(CopyToRanks.apply(x), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Rank ``rank``'s share of ``full`` split by input features: ``forward(x_part)`` takes
+    this rank's slice of the input features and returns the full ``full(x)`` on every rank,
+    by ``g`` (one all-reduce) on the partial sums; the bias is added once, after it."""
+
+    def __init__(self, full: nn.Linear, rank: int, world_size: int):
+        super().__init__()
+        check_module("full", full)
+        world_size = check_int("world_size", world_size, lo=1)
+        rank = check_int("rank", rank, lo=0, hi=world_size - 1)
+        part = _chunk(full.in_features, rank, world_size)
+        self.weight = nn.Parameter(full.weight.detach()[:, part].clone())
+        self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = SumOverRanks.apply(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class MegatronMLP(nn.Module):
+    """``fc2(gelu(fc1(x)))`` with ``fc1`` column-parallel and ``fc2`` row-parallel: one
+    all-reduce forward (in ``fc2``), one backward (in ``fc1``'s ``f``)."""
+
+    def __init__(self, full: nn.Sequential, rank: int, world_size: int):
+        super().__init__()
+        check_module("full", full)
+        self.fc1 = ColumnParallelLinear(full[0], rank, world_size)
+        self.fc2 = RowParallelLinear(full[2], rank, world_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def serial_mlp(d_model: int, d_hidden: int, seed: int | torch.Generator = 0,
+               dtype: torch.dtype = torch.float64) -> nn.Sequential:
+    """The unsharded block ``Linear(d_model, d_hidden), GELU, Linear(d_hidden, d_model)``,
+    initialised from ``seed`` (its own generator; the global RNG is untouched)."""
+    d_model = check_int("d_model", d_model, lo=1)
+    d_hidden = check_int("d_hidden", d_hidden, lo=1)
+    seed = check_seed("seed", seed)
+    g = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
+    # nn.Linear's default init draws from the global RNG: restore it (values are replaced).
+    with torch.random.fork_rng(devices=[]):
+        mlp = nn.Sequential(nn.Linear(d_model, d_hidden), nn.GELU(),
+                            nn.Linear(d_hidden, d_model)).to(dtype)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=dtype) / p.shape[-1] ** 0.5)
+    return mlp
+
+
+def _inputs(batch: int, d_model: int, seed: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(seed + 7)
+    x = torch.randn(batch, d_model, generator=g, dtype=dtype)
+    w = torch.randn(batch, d_model, generator=g, dtype=dtype)  # loss = <mlp(x), w>
+    return x, w
+
+
+def megatron_worker(rank: int, world_size: int, batch: int, d_model: int, d_hidden: int,
+                    seed: int = 0) -> dict:
+    """Worker: the Megatron block from scratch and via DTensor on this rank, on the loss
+    ``<mlp(x), w>``. Returns CPU tensors: ``y`` and ``dx`` of each, this rank's gradient
+    shards of the from-scratch layers, DTensor's full gradients, and the number of
+    collectives the from-scratch block issued in forward and in backward (by the ledger)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from parlearn.dist import ledger
+
+    full = serial_mlp(d_model, d_hidden, seed)
+    x, w = _inputs(batch, d_model, seed, torch.float64)
+    out: dict = {}
+
+    tp = MegatronMLP(full, rank, world_size)
+    xs = x.clone().requires_grad_(True)
+    with ledger() as fwd:
+        y = tp(xs)
+    with ledger() as bwd:
+        (y * w).sum().backward()
+    out["scratch"] = dict(y=y.detach(), dx=xs.grad,
+                          w1=tp.fc1.weight.grad, b1=tp.fc1.bias.grad,
+                          w2=tp.fc2.weight.grad, b2=tp.fc2.bias.grad)
+    out["ledger"] = dict(forward=fwd.summary(), backward=bwd.summary())
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = parallelize_module(serial_mlp(d_model, d_hidden, seed), mesh,
+                               {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    xd = x.clone().requires_grad_(True)
+    yd = model(xd)
+    (yd * w).sum().backward()
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    out["dtensor"] = dict(y=yd.detach(), dx=xd.grad, w1=grads[0], b1=grads[1],
+                          w2=grads[2], b2=grads[3])
+    return out
+
+
+def megatron_check(world_size: int, batch: int = 4, d_model: int = 8, d_hidden: int = 16,
+                   seed: int = 0, timeout: float = 30) -> dict:
+    """Run :func:`megatron_worker` on ``world_size`` real ranks and compare with the
+    unsharded block in this process. Returns ``{"scratch": err, "dtensor": err, "ledger":
+    rank 0's ledger summaries}`` where ``err`` is the largest absolute difference over the
+    output and every gradient (shards reassembled in rank order), over all ranks."""
+    from parlearn.dist import run
+
+    world_size = check_int("world_size", world_size, lo=1)
+    full = serial_mlp(d_model, d_hidden, seed)
+    x, w = _inputs(batch, d_model, seed, torch.float64)
+    x = x.requires_grad_(True)
+    (full(x) * w).sum().backward()
+    ref = dict(y=full(x).detach(), dx=x.grad, w1=full[0].weight.grad, b1=full[0].bias.grad,
+               w2=full[2].weight.grad, b2=full[2].bias.grad)
+    # gloo whatever GPUs exist: the worker computes on CPU tensors on a "cpu" mesh.
+    res = run(megatron_worker, world_size, args=(batch, d_model, d_hidden, seed),
+              backend="gloo", timeout=timeout, deadline=4 * timeout)
+    cat = dict(w1=0, b1=0, w2=1)  # how each scratch shard was cut from the full tensor
+    err_s = err_d = 0.0
+    for r in res:
+        for k in ref:
+            if k in cat:
+                got = torch.cat([q["scratch"][k] for q in res], dim=cat[k])
+            else:
+                got = r["scratch"][k]
+            err_s = max(err_s, (got - ref[k]).abs().max().item())
+            err_d = max(err_d, (r["dtensor"][k] - ref[k]).abs().max().item())
+    return {"scratch": err_s, "dtensor": err_d, "ledger": res[0]["ledger"]}
