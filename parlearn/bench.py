@@ -50,7 +50,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "local": ("parlearn.serial_chain.local",
               "asynchronous local-heads pipeline vs pipelined backprop on the same 2 ranks"),
     # Part 3: many copies at once
-    "dither": ("parlearn.many_copies.dither",
+    "dither": ("parlearn.many_copies.dither.regimes",
                "P=64 noisy copies: one batched forward/backward vs a loop over copies"),
     "qd": ("parlearn.many_copies.qd",
            "arm evaluations/s: vmap batch 4096 vs 1; MAP-Elites QD-score, batch 4096 vs 64"),

@@ -1,29 +1,10 @@
-"""Parallel dither and dropout: P noisy copies of each example, one batched pass.
+"""The lesson's experiment: SGD in three regimes at equal updates, and what it costs.
 
-Reconstruction. Simpson, "Parallel dither and dropout for regularising deep neural
-networks" (arXiv 1508.07130) and "Taming the ReLU with parallel dither in a deep
-neural network" (arXiv 1509.05173) could only be read as abstracts. What is built
-here is our reading of them:
-
-* *dither* is additive zero-mean input noise (uniform, Gaussian or triangular);
-  ``scale`` is its **standard deviation** for every kind. *Dropout* then zeroes input
-  features with probability p and rescales the rest by 1/(1-p), so a dropped feature
-  is exactly zero, dither included: ``x_copy = (x + dither) * mask``;
-* both regularise minibatch SGD but, per the abstract, "fail without batch
-  averaging": with one example per update the noise dominates each step;
-* *parallel* regularisation makes P copies of the example, each with its own noise
-  and dropout mask, and averages their **gradients** into one update. Its expectation
-  is the gradient of the noise-smoothed loss, and its variance falls like 1/P;
-* the P copies are one batched forward/backward on the device: that is the
-  parallelism (:func:`parallel_grad`). :func:`sequential_grad` is its serial
-  reference: a Python loop over the same copies with the same noise.
-
-The demodulation view: averaged over dither, a ReLU's transfer curve is smoothed
-near 0 (:func:`smoothed_relu`), which weakens the harmonics ("decoy features") it
-makes from a sinusoid (:func:`relu_spectrum`). That is an average of *activations*.
-:func:`parallel_grad` averages *gradients*; the two agree where the loss is linear in
-the unit's output (then the averaged gradient is the slope of the smoothed curve,
-:func:`smoothed_relu_slope`), and differ otherwise.
+:func:`train` runs one regime (minibatch SGD, single-example SGD, or single-example SGD
+with P noisy copies averaged by :func:`parlearn.many_copies.dither.gradients.parallel_grad`)
+on a seeded :func:`mlp`; :func:`compare_regimes` runs the lesson's whole plan over seeds, and
+:func:`summarise` and :func:`paired_difference` read the result. :func:`throughput` and
+:func:`bench` measure one P-copy gradient batched against the loop over copies.
 """
 
 from __future__ import annotations
@@ -31,11 +12,10 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -46,416 +26,25 @@ from parlearn.core.checks import (
     check_choice,
     check_float,
     check_int,
-    check_module,
     check_seed,
     check_tensor,
 )
 from parlearn.core.device import threads as _threads
 from parlearn.core.timing import compare, sweep
+from parlearn.many_copies.dither.gradients import (
+    LossFn,
+    _check_model,
+    _check_xy,
+    _own_grads,
+    parallel_grad,
+    sequential_grad,
+)
+from parlearn.many_copies.dither.noise import _check_noise, draw_noise
 
-__all__ = [
-    "NOISES",
-    "REGIMES",
-    "Noise",
-    "noise_half_width",
-    "draw_noise",
-    "parallel_grad",
-    "sequential_grad",
-    "smoothed_relu",
-    "smoothed_relu_slope",
-    "relu_spectrum",
-    "mlp",
-    "History",
-    "train",
-    "grad_variance",
-    "compare_regimes",
-    "summarise",
-    "paired_difference",
-    "throughput",
-    "bench",
-]
+__all__ = ["REGIMES", "mlp", "History", "train", "compare_regimes", "summarise",
+           "paired_difference", "throughput", "bench"]
 
-NOISES = ("uniform", "gaussian", "triangular")
 REGIMES = ("batch", "single", "parallel")
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-# Half-width of each bounded kind per unit standard deviation: a uniform variable on
-# [-a, a] has variance a^2/3, a triangular one (difference of two uniforms) a^2/6.
-_HALF_WIDTH_PER_STD = {"uniform": math.sqrt(3.0), "triangular": math.sqrt(6.0)}
-
-
-# --- noise ---------------------------------------------------------------------------
-
-
-def _check_noise(copies, dither, scale, dropout) -> tuple[int, str | None, float, float | None]:
-    """Validate one noise specification; refuse a kind without a scale and vice versa."""
-    copies = check_int("copies", copies, lo=1)
-    if dither is not None:
-        check_choice("dither", dither, NOISES)
-    scale = check_float("scale", scale, lo=0.0)
-    if dither is None and scale != 0:
-        raise ValueError(f"scale={scale} given with dither=None: name the noise kind "
-                         f"(one of {list(NOISES)})")
-    if dither is not None and scale == 0:
-        raise ValueError(f"dither={dither!r} with scale=0 adds no noise: give scale > 0 "
-                         "(the standard deviation) or dither=None")
-    if dropout is not None:
-        dropout = check_float("dropout", dropout, lo=0.0, hi=1.0, hi_open=True)
-    return copies, dither, scale, dropout
-
-
-def noise_half_width(kind: str, scale: float) -> float:
-    """Half-width ``a`` of a bounded noise kind whose standard deviation is ``scale``.
-
-    Uniform on ``[-a, a]`` has std ``a/sqrt(3)``, triangular on ``[-a, a]`` has std
-    ``a/sqrt(6)``. Gaussian noise is unbounded: asking for it is an error.
-    """
-    check_choice("kind", kind, tuple(_HALF_WIDTH_PER_STD))
-    return _HALF_WIDTH_PER_STD[kind] * check_float("scale", scale, lo=0.0)
-
-
-@dataclass
-class Noise:
-    """The noise for P copies of a batch: ``x_copy = (x + add) * keep``.
-
-    ``add`` and ``keep`` have shape ``(copies, *x.shape)``; either may be None
-    (no dither, no dropout). Dropout comes *after* the dither, so a dropped input
-    is exactly zero.
-    """
-
-    copies: int
-    add: torch.Tensor | None
-    keep: torch.Tensor | None
-
-    def apply(self, x: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Copies ``start:stop`` (default: all), shape ``(stop - start, *x.shape)``."""
-        check_tensor("x", x, floating=True)
-        stop = self.copies if stop is None else stop
-        start = check_int("start", start, lo=0, hi=self.copies - 1)
-        stop = check_int("stop", stop, lo=start + 1, hi=self.copies)
-        for name in ("add", "keep"):
-            t = getattr(self, name)
-            if t is not None and t.shape != (self.copies, *x.shape):
-                raise ValueError(f"noise.{name} has shape {tuple(t.shape)}, but x needs "
-                                 f"{(self.copies, *x.shape)}")
-        out = x.unsqueeze(0).expand(stop - start, *x.shape)
-        if self.add is not None:
-            out = out + self.add[start:stop]
-        if self.keep is not None:
-            out = out * self.keep[start:stop]
-        return out
-
-
-def _sample(kind: str, shape, scale: float, generator, dtype, device) -> torch.Tensor:
-    """Zero-mean noise of standard deviation ``scale``, drawn on the CPU, moved to ``device``."""
-    def u():
-        return torch.rand(shape, generator=generator, dtype=dtype)
-
-    if kind == "gaussian":
-        out = scale * torch.randn(shape, generator=generator, dtype=dtype)
-    else:
-        a = _HALF_WIDTH_PER_STD[kind] * scale
-        out = a * (2 * u() - 1) if kind == "uniform" else a * (u() - u())
-    return out.to(device)
-
-
-def _check_generator(generator) -> torch.Generator | None:
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator or None, got "
-                        f"{type(generator).__name__}")
-    if generator is not None and generator.device.type != "cpu":
-        raise ValueError(f"generator must be a CPU generator (noise is drawn on the CPU), "
-                         f"got one on {generator.device}")
-    return generator
-
-
-def draw_noise(x: torch.Tensor, copies: int, *, dither: str | None = None, scale: float = 0.0,
-               dropout: float | None = None,
-               generator: torch.Generator | None = None) -> Noise:
-    """Draw independent dither and dropout masks for ``copies`` copies of ``x``.
-
-    ``scale`` is the dither's standard deviation (for every kind); ``dropout`` the
-    probability of zeroing an input feature. Random numbers come from ``generator`` (a
-    CPU ``torch.Generator``; None means torch's global generator) and are moved to
-    ``x``'s device, so a seed gives the same noise on every device.
-    """
-    check_tensor("x", x, floating=True)
-    copies, dither, scale, dropout = _check_noise(copies, dither, scale, dropout)
-    _check_generator(generator)
-    shape = (copies, *x.shape)
-    add = keep = None
-    if dither is not None:
-        add = _sample(dither, shape, scale, generator, x.dtype, x.device)
-    if dropout:
-        kept = torch.rand(shape, generator=generator, dtype=x.dtype) >= dropout
-        keep = kept.to(x.dtype).div_(1.0 - dropout).to(x.device)
-    return Noise(copies, add, keep)
-
-
-# --- the primitive and its serial reference ------------------------------------------
-
-
-def _check_model(model: nn.Module) -> None:
-    check_module("model", model)
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.training:
-            raise ValueError(
-                f"model layer {name or type(mod).__name__!r} is BatchNorm in train mode: the P "
-                "copies of one example would make its batch statistics meaningless. Use "
-                "model.eval() for that layer, or LayerNorm/GroupNorm."
-            )
-
-
-def _check_xy(x, y) -> None:
-    check_tensor("x", x, floating=True)
-    check_tensor("y", y)
-    if x.ndim < 1 or y.ndim < 1 or x.shape[0] != y.shape[0] or x.shape[0] == 0:
-        raise ValueError(f"x and y need the same non-zero batch size, got shapes "
-                         f"{tuple(x.shape)} and {tuple(y.shape)}")
-    if x.device != y.device:
-        raise ValueError(f"x is on {x.device} but y on {y.device}")
-
-
-def _check_noise_for(noise, x: torch.Tensor) -> Noise:
-    if not isinstance(noise, Noise):
-        raise TypeError(f"noise must be a dither.Noise (from draw_noise), got "
-                        f"{type(noise).__name__}")
-    for name in ("add", "keep"):
-        t = getattr(noise, name)
-        if t is None:
-            continue
-        if t.shape != (noise.copies, *x.shape):
-            raise ValueError(f"noise.{name} has shape {tuple(t.shape)}, but x needs "
-                             f"{(noise.copies, *x.shape)}")
-        if t.device != x.device or t.dtype != x.dtype:
-            raise ValueError(f"noise.{name} is {t.dtype} on {t.device}, x is {x.dtype} on "
-                             f"{x.device}: draw the noise for this x")
-    return noise
-
-
-def parallel_grad(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, *,
-                  copies: int, dither: str | None = None, scale: float = 0.0,
-                  dropout: float | None = None, generator: torch.Generator | None = None,
-                  noise: Noise | None = None, max_rows: int = 16384) -> float:
-    """Average the gradient over ``copies`` noisy copies of the batch in one batched pass.
-
-    ``loss_fn(output, target)`` must return the *mean* over its batch (as torch's
-    losses do by default). The gradient of the mean over copies and examples is
-    *added* to each parameter's ``.grad`` (accumulating like ``backward()``); the
-    mean loss is returned.
-
-    The noise is either drawn here (``dither``, ``scale`` = its standard deviation,
-    ``dropout``, ``generator``; see :func:`draw_noise`) or given as ``noise`` (from
-    :func:`draw_noise`), never both: passing ``noise`` together with any of the other
-    four is an error, as is ``copies`` differing from ``noise.copies``.
-
-    When ``copies * batch`` exceeds ``max_rows``, the copies go through the model in
-    chunks of ``max(1, max_rows // batch)`` copies, one forward/backward each: the
-    model's activations and the noisy inputs are then held for one chunk at a time.
-    Noise drawn here is drawn chunk by chunk too (same distribution, but a different
-    draw from the same generator than one unchunked call); a given ``noise`` is held
-    whole by the caller, and the gradient equals the unchunked one to round-off.
-    Layers of the model that are themselves random (``nn.Dropout`` in train mode)
-    draw from torch's global generator independently for every row.
-    """
-    _check_model(model)
-    check_callable("loss_fn", loss_fn)
-    _check_xy(x, y)
-    copies = check_int("copies", copies, lo=1)
-    max_rows = check_int("max_rows", max_rows, lo=1)
-    _check_generator(generator)
-    if noise is not None:
-        given = {"dither": dither is not None, "scale": scale != 0.0,
-                 "dropout": dropout is not None, "generator": generator is not None}
-        clash = [k for k, v in given.items() if v]
-        if clash:
-            raise ValueError(f"noise= was given together with {clash}: those would be "
-                             "ignored. Pass either noise= or the arguments to draw it.")
-        _check_noise_for(noise, x)
-        if noise.copies != copies:
-            raise ValueError(f"noise was drawn for {noise.copies} copies, but copies={copies}")
-    else:
-        _check_noise(copies, dither, scale, dropout)
-    batch = x.shape[0]
-    per_chunk = max(1, max_rows // batch)
-    total = 0.0
-    for start in range(0, copies, per_chunk):
-        n = min(per_chunk, copies - start)
-        if noise is None:
-            chunk = draw_noise(x, n, dither=dither, scale=scale, dropout=dropout,
-                               generator=generator).apply(x)
-        else:
-            chunk = noise.apply(x, start, start + n)
-        rows = chunk.reshape(n * batch, *x.shape[1:])
-        targets = y.unsqueeze(0).expand(n, *y.shape).reshape(n * batch, *y.shape[1:])
-        loss = loss_fn(model(rows), targets) * (n / copies)
-        loss.backward()
-        total += loss.item()
-    return total
-
-
-def sequential_grad(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, *,
-                    noise: Noise) -> float:
-    """Serial reference: one forward/backward per copy of ``noise``, gradients averaged."""
-    _check_model(model)
-    check_callable("loss_fn", loss_fn)
-    _check_xy(x, y)
-    _check_noise_for(noise, x)
-    total = 0.0
-    for p in range(noise.copies):
-        loss = loss_fn(model(noise.apply(x, p, p + 1)[0]), y) / noise.copies
-        loss.backward()
-        total += loss.item()
-    return total
-
-
-@contextlib.contextmanager
-def _own_grads(model: nn.Module) -> Iterator[list[nn.Parameter]]:
-    """Give the block empty ``.grad`` slots and put the caller's gradients back afterwards."""
-    params = list(model.parameters())
-    saved = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    try:
-        yield [p for p in params if p.requires_grad]
-    finally:
-        for p, g in zip(params, saved, strict=True):
-            p.grad = g
-
-
-def grad_variance(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, *,
-                  copies: int, draws: int, dither: str | None = None, scale: float = 0.0,
-                  dropout: float | None = None, seed: int | torch.Generator = 0,
-                  threads: int | None = 1) -> float:
-    """Total variance (trace of the covariance) of the parallel gradient over ``draws`` redraws.
-
-    Measures the gradient noise the regulariser injects; it falls like ``1/copies``.
-    The model's ``.grad`` are left as the caller had them. ``threads`` pins torch's
-    intra-op thread count for the call and restores it (``None``: the caller's count).
-    """
-    _check_model(model)
-    check_callable("loss_fn", loss_fn)
-    _check_xy(x, y)
-    _check_noise(copies, dither, scale, dropout)
-    if dither is None and not dropout:
-        raise ValueError("grad_variance needs noise: give dither and scale, or dropout")
-    draws = check_int("draws", draws, lo=2)
-    seed = check_seed("seed", seed)
-    if threads is not None:
-        threads = check_int("threads", threads, lo=1)
-    g = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
-    grads = []
-    pin = _threads(threads) if threads is not None else contextlib.nullcontext()
-    with pin, _own_grads(model) as params:
-        if not params:
-            raise ValueError("model has no parameters that require a gradient")
-        for _ in range(draws):
-            for p in params:
-                p.grad = None
-            parallel_grad(model, loss_fn, x, y, copies=copies, dither=dither, scale=scale,
-                          dropout=dropout, generator=g)
-            grads.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
-                                    .reshape(-1) for p in params]))
-    return torch.stack(grads).var(dim=0).sum().item()
-
-
-# --- the demodulation picture ---------------------------------------------------------
-
-
-def _check_curve_args(x, scale, noise) -> tuple[np.ndarray, float]:
-    check_choice("noise", noise, NOISES)
-    scale = check_float("scale", scale, lo=0.0, lo_open=True)
-    x = np.asarray(x, dtype=float)
-    if not np.isfinite(x).all():
-        raise ValueError("x must be finite")
-    return x, scale
-
-
-def smoothed_relu(x, scale: float, noise: str = "gaussian") -> np.ndarray:
-    """Closed form of ``E[ReLU(x + n)]`` for zero-mean noise ``n`` of standard deviation ``scale``.
-
-    Gaussian (std ``s``): ``x Phi(x/s) + s phi(x/s)``. Uniform on ``[-a, a]`` with
-    ``a = sqrt(3) s``: ``0`` below ``-a``, ``(x + a)^2 / (4a)`` inside, ``x`` above ``a``.
-    Triangular on ``[-a, a]`` with ``a = sqrt(6) s``: ``(x + a)^3 / (6a^2)`` for
-    ``-a <= x <= 0`` and ``x + (a - x)^3 / (6a^2)`` for ``0 <= x <= a``. Works on arrays.
-    """
-    x, s = _check_curve_args(x, scale, noise)
-    if noise == "gaussian":
-        z = x / s
-        cdf = 0.5 * (1 + np.vectorize(math.erf)(z / math.sqrt(2)))
-        return x * cdf + s * np.exp(-0.5 * z**2) / math.sqrt(2 * math.pi)
-    a = noise_half_width(noise, s)
-    inside = np.abs(x) < a
-    out = np.array(np.maximum(x, 0.0), dtype=float)  # an array even for a scalar x
-    xi = x[inside]
-    if noise == "uniform":
-        out[inside] = (xi + a) ** 2 / (4 * a)
-    else:
-        out[inside] = np.where(xi <= 0, (xi + a) ** 3 / (6 * a**2), xi + (a - xi) ** 3 / (6 * a**2))
-    return out
-
-
-def smoothed_relu_slope(x, scale: float, noise: str = "gaussian") -> np.ndarray:
-    """``d/dx E[ReLU(x + n)] = P(x + n > 0)``: the expected ReLU gradient under the noise.
-
-    This is what :func:`parallel_grad` averages for a unit whose loss is linear in its
-    output. Gaussian: ``Phi(x/s)``; uniform: ``(x + a)/(2a)`` inside ``[-a, a]``;
-    triangular: ``(x + a)^2/(2a^2)`` for ``x <= 0`` and ``1 - (a - x)^2/(2a^2)`` for
-    ``x >= 0``; ``0`` below ``-a`` and ``1`` above ``a`` (half-widths as in
-    :func:`smoothed_relu`).
-    """
-    x, s = _check_curve_args(x, scale, noise)
-    if noise == "gaussian":
-        return 0.5 * (1 + np.vectorize(math.erf)(x / (s * math.sqrt(2))))
-    a = noise_half_width(noise, s)
-    out = np.array(x >= a, dtype=float)
-    inside = np.abs(x) < a
-    xi = x[inside]
-    if noise == "uniform":
-        out[inside] = (xi + a) / (2 * a)
-    else:
-        out[inside] = np.where(xi <= 0, (xi + a) ** 2 / (2 * a**2), 1 - (a - xi) ** 2 / (2 * a**2))
-    return out
-
-
-def relu_spectrum(*, offset: float = 0.0, amplitude: float = 1.0, cycles: int = 8,
-                  samples: int = 1024, noise: str | None = None, scale: float = 0.0,
-                  copies: int = 1, seed: int | torch.Generator = 0) -> dict:
-    """Spectrum of ``ReLU(offset + amplitude sin(2 pi t) + dither)`` averaged over copies.
-
-    The input has energy at one frequency only; every other peak of the output is a
-    distortion product the ReLU made. With ``offset = 0`` the output is a half-wave
-    rectified sine: DC, the fundamental and the *even* harmonics only, with magnitudes
-    ``A/pi``, ``A/4`` and ``A/(pi (4k^2 - 1))`` at harmonic ``2k``; an offset brings in
-    odd harmonics too. Averaging ``copies`` dithered copies (``noise`` kind, ``scale`` =
-    standard deviation; both or neither) replaces the ReLU by its smoothed version and
-    weakens the high harmonics. ``magnitude`` is ``|rfft| / samples`` (half the
-    amplitude of each cosine, the DC term itself).
-    Returns ``{"harmonic", "magnitude", "t", "output"}``; ``harmonic`` is frequency in
-    units of the input frequency.
-    """
-    offset = check_float("offset", offset)
-    amplitude = check_float("amplitude", amplitude, lo=0.0, lo_open=True)
-    cycles = check_int("cycles", cycles, lo=1)
-    samples = check_int("samples", samples, lo=8 * cycles)
-    copies, noise, scale, _ = _check_noise(copies, noise, scale, None)
-    if noise is None and copies != 1:
-        raise ValueError(f"copies={copies} without noise: copies of a clean signal are all "
-                         "the same; give noise and scale")
-    seed = check_seed("seed", seed)
-    g = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
-    t = torch.arange(samples, dtype=torch.float64) / samples * cycles
-    x = offset + amplitude * torch.sin(2 * math.pi * t)
-    if noise is not None:
-        d = _sample(noise, (copies, samples), scale, g, torch.float64, "cpu")
-        out = torch.relu(x + d).mean(0)
-    else:
-        out = torch.relu(x)
-    mag = torch.fft.rfft(out).abs() / samples
-    harmonic = torch.arange(mag.numel(), dtype=torch.float64) / cycles
-    return {"harmonic": harmonic.numpy(), "magnitude": mag.numpy(), "t": t.numpy(),
-            "output": out.numpy()}
 
 
 # --- the regime experiment ------------------------------------------------------------
