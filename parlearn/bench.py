@@ -56,7 +56,7 @@ BENCHES: dict[str, tuple[str, str]] = {
            "arm evaluations/s: vmap batch 4096 vs 1; MAP-Elites QD-score, batch 4096 vs 64"),
     "rl": ("parlearn.many_copies.rl",
            "cart-pole env-steps/s (policy + env): 4096 batched envs vs 1"),
-    "eigengame": ("parlearn.many_copies.eigengame",
+    "eigengame": ("parlearn.many_copies.eigengame.speed",
                   "EigenGame samples/s: batched vs batch-1; 8 fake devices vs 1 (JAX)"),
     "decoding": ("parlearn.many_copies.decoding",
                  "forward passes per sequence at >= 99% validity, and the decoder's own time"),
