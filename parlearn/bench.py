@@ -58,7 +58,7 @@ BENCHES: dict[str, tuple[str, str]] = {
            "cart-pole env-steps/s (policy + env): 4096 batched envs vs 1"),
     "eigengame": ("parlearn.many_copies.eigengame.speed",
                   "EigenGame samples/s: batched vs batch-1; 8 fake devices vs 1 (JAX)"),
-    "decoding": ("parlearn.many_copies.decoding",
+    "decoding": ("parlearn.many_copies.decoding.measure",
                  "forward passes per sequence at >= 99% validity, and the decoder's own time"),
 }
 
