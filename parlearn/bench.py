@@ -54,7 +54,7 @@ BENCHES: dict[str, tuple[str, str]] = {
                "P=64 noisy copies: one batched forward/backward vs a loop over copies"),
     "qd": ("parlearn.many_copies.qd",
            "arm evaluations/s: vmap batch 4096 vs 1; MAP-Elites QD-score, batch 4096 vs 64"),
-    "rl": ("parlearn.many_copies.rl",
+    "rl": ("parlearn.many_copies.rl.throughput",
            "cart-pole env-steps/s (policy + env): 4096 batched envs vs 1"),
     "eigengame": ("parlearn.many_copies.eigengame.speed",
                   "EigenGame samples/s: batched vs batch-1; 8 fake devices vs 1 (JAX)"),
