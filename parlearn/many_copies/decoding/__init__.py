@@ -19,8 +19,14 @@ The masked-diffusion LMs and the languages they are measured on are in
 :mod:`parlearn.many_copies.diffusion` (same lesson). Everything is re-exported here.
 """
 
-from parlearn.many_copies.decoding.loop import STRATEGIES, DecodeResult, decode
+from parlearn.many_copies.decoding.loop import (
+    STRATEGIES,
+    DecodeResult,
+    Denoiser,  # noqa: F401 (a type alias, not in __all__)
+    decode,
+)
 from parlearn.many_copies.decoding.mean_field import (
+    Coupling,  # noqa: F401 (a type alias, not in __all__)
     _mean_field_commit_loop,  # noqa: F401 (private; the serial reference tests and lesson 33 use)
     auto_tau,
     coupling_matrix,
@@ -31,7 +37,7 @@ from parlearn.many_copies.decoding.mean_field import (
 from parlearn.many_copies.decoding.measure import (
     FAMILY_TAUS,
     GRIDS,
-    bench,  # noqa: F401 (not in __all__ before the split either; python -m parlearn.bench)
+    bench,  # noqa: F401 (decoding.bench, as before the split; not in __all__ then either)
     best_setting,
     family_table,
     format_family_table,

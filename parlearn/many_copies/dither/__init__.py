@@ -27,7 +27,12 @@ from parlearn.many_copies.dither.demodulation import (
     smoothed_relu,
     smoothed_relu_slope,
 )
-from parlearn.many_copies.dither.gradients import grad_variance, parallel_grad, sequential_grad
+from parlearn.many_copies.dither.gradients import (
+    LossFn,  # noqa: F401 (a type alias, not in __all__)
+    grad_variance,
+    parallel_grad,
+    sequential_grad,
+)
 from parlearn.many_copies.dither.noise import (
     NOISES,
     Noise,
