@@ -50,15 +50,15 @@ BENCHES: dict[str, tuple[str, str]] = {
     "local": ("parlearn.serial_chain.local.cost",
               "asynchronous local-heads pipeline vs pipelined backprop on the same 2 ranks"),
     # Part 3: many copies at once
-    "dither": ("parlearn.many_copies.dither",
+    "dither": ("parlearn.many_copies.dither.regimes",
                "P=64 noisy copies: one batched forward/backward vs a loop over copies"),
     "qd": ("parlearn.many_copies.qd",
            "arm evaluations/s: vmap batch 4096 vs 1; MAP-Elites QD-score, batch 4096 vs 64"),
-    "rl": ("parlearn.many_copies.rl",
+    "rl": ("parlearn.many_copies.rl.throughput",
            "cart-pole env-steps/s (policy + env): 4096 batched envs vs 1"),
-    "eigengame": ("parlearn.many_copies.eigengame",
+    "eigengame": ("parlearn.many_copies.eigengame.speed",
                   "EigenGame samples/s: batched vs batch-1; 8 fake devices vs 1 (JAX)"),
-    "decoding": ("parlearn.many_copies.decoding",
+    "decoding": ("parlearn.many_copies.decoding.measure",
                  "forward passes per sequence at >= 99% validity, and the decoder's own time"),
 }
 

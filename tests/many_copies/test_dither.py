@@ -89,7 +89,7 @@ def test_chunks_hold_at_most_max_rows(monkeypatch):
             seen_rows.append(rows.shape[0])
             return self.inner(rows)
 
-    monkeypatch.setattr(dither, "draw_noise", spy_draw)
+    monkeypatch.setattr(dither.gradients, "draw_noise", spy_draw)  # parallel_grad looks it up there
     dither.parallel_grad(Spy(model), F, x, y, copies=11, dither="gaussian", scale=0.2,
                          max_rows=7, generator=torch.Generator().manual_seed(0))
     assert drawn == [2, 2, 2, 2, 2, 1] and sum(drawn) == 11

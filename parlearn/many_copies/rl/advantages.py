@@ -1,0 +1,65 @@
+"""Generalised advantage estimation (GAE) with time-outs bootstrapped, for all copies at once.
+
+Time-outs are bootstrapped: an episode cut by the step limit did not end, so its last
+reward is followed by ``gamma * V(final observation)``; an episode that *terminated* (the
+pole fell) is followed by 0. :func:`gae` (a reverse ``lax.scan``) equals :func:`gae_loop`
+(a plain Python loop, the serial reference).
+
+JAX is imported inside :func:`gae`, so ``import parlearn.rl`` does not start it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["gae", "gae_loop"]
+
+
+# --- GAE with time-outs bootstrapped: serial reference and lax.scan -----------------------
+
+def gae_loop(rewards, values, next_values, terminated, truncated, final_values,
+             gamma: float, lam: float) -> tuple[np.ndarray, np.ndarray]:
+    """Serial reference (float64 Python loop). Arrays are ``(T, N)``; returns (advantages, returns).
+
+    ``values[t]`` = V(s_t); ``next_values[t]`` = V(s_{t+1}) of the observation after the
+    step (a fresh episode's after a reset); ``final_values[t]`` = V(final observation).
+    The bootstrap after step t is 0 if terminated, ``final_values[t]`` if truncated, else
+    ``next_values[t]``; the advantage recursion stops at every episode end.
+    """
+    r, v, nv, fv = (np.asarray(a, np.float64) for a in (rewards, values, next_values,
+                                                        final_values))
+    term, trunc = np.asarray(terminated, bool), np.asarray(truncated, bool)
+    T, N = r.shape
+    adv = np.zeros((T, N))
+    for n in range(N):
+        running = 0.0
+        for t in reversed(range(T)):
+            if term[t, n]:
+                boot, running = 0.0, 0.0
+            elif trunc[t, n]:
+                boot, running = fv[t, n], 0.0
+            else:
+                boot = nv[t, n]
+            delta = r[t, n] + gamma * boot - v[t, n]
+            running = delta + gamma * lam * running
+            adv[t, n] = running
+    return adv, adv + v
+
+
+def gae(rewards, values, next_values, terminated, truncated, final_values,
+        gamma: float, lam: float):
+    """GAE for all copies at once (a reverse ``lax.scan`` over time); equals :func:`gae_loop`."""
+    import jax
+    import jax.numpy as jnp
+
+    boot = jnp.where(terminated, 0.0, jnp.where(truncated, final_values, next_values))
+    deltas = rewards + gamma * boot - values
+    carry_on = gamma * lam * (1.0 - (terminated | truncated))
+
+    def back(running, xs):
+        delta, keep = xs
+        running = delta + keep * running
+        return running, running
+
+    _, adv = jax.lax.scan(back, jnp.zeros_like(values[0]), (deltas, carry_on), reverse=True)
+    return adv, adv + values

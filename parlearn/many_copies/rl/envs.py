@@ -1,0 +1,112 @@
+"""Batched environments: a cart-pole written out in JAX, or any gymnax environment.
+
+Both sit behind one interface (:class:`Env`): one copy's ``reset`` and ``step``, batched
+over thousands of copies with ``jax.vmap`` (:func:`batch_step`); ``jax.vmap(env.step)``
+equals a loop of single steps. A step that ends an episode returns the fresh episode's
+observation and the one the episode ended on, so a time-out can be bootstrapped.
+
+JAX is imported inside the functions, so ``import parlearn.rl`` does not start it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from parlearn.core.checks import check_int
+
+__all__ = ["Env", "cartpole", "gymnax_env", "batch_step"]
+
+
+# --- environments ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Env:
+    """One environment copy; batch it with ``jax.vmap``.
+
+    ``reset(key) -> (obs, state)``; ``step(key, state, action) -> (obs, state, reward,
+    terminated, truncated, final_obs)``: on an episode's end the returned ``obs`` and
+    ``state`` are already those of a fresh episode, and ``final_obs`` is the observation
+    the episode ended on (needed to bootstrap a time-out).
+    """
+
+    name: str
+    obs_dim: int
+    n_actions: int
+    reset: Callable = field(repr=False)
+    step: Callable = field(repr=False)
+
+
+def cartpole(max_steps: int = 500) -> Env:
+    """Cart-pole (Barto, Sutton & Anderson 1983) with the constants and Euler step of gym's
+    CartPole-v1: +1 per step, terminated when |x| > 2.4 or |theta| > 12 degrees, truncated
+    after ``max_steps`` steps. State: ``[x, x_dot, theta, theta_dot, t]``.
+    """
+    max_steps = check_int("max_steps", max_steps, lo=1)
+    gravity, m_cart, m_pole, half_len, force_mag, tau = 9.8, 1.0, 0.1, 0.5, 10.0, 0.02
+    total = m_cart + m_pole
+
+    def reset(key):
+        import jax
+        import jax.numpy as jnp
+
+        s = jax.random.uniform(key, (4,), minval=-0.05, maxval=0.05)
+        return s, jnp.concatenate([s, jnp.zeros(1)])
+
+    def physics(s, action):
+        import jax.numpy as jnp
+
+        x, x_dot, th, th_dot, t = s
+        force = jnp.where(action == 1, force_mag, -force_mag)
+        cos, sin = jnp.cos(th), jnp.sin(th)
+        temp = (force + m_pole * half_len * th_dot**2 * sin) / total
+        th_acc = (gravity * sin - cos * temp) / (half_len * (4 / 3 - m_pole * cos**2 / total))
+        x_acc = temp - m_pole * half_len * th_acc * cos / total
+        return jnp.stack([x + tau * x_dot, x_dot + tau * x_acc, th + tau * th_dot,
+                          th_dot + tau * th_acc, t + 1])
+
+    def step(key, state, action):
+        import jax.numpy as jnp
+
+        s = physics(state, action)
+        terminated = (jnp.abs(s[0]) > 2.4) | (jnp.abs(s[2]) > 12 * 2 * jnp.pi / 360)
+        truncated = (s[4] >= max_steps) & ~terminated
+        obs_new, state_new = reset(key)
+        done = terminated | truncated
+        return (jnp.where(done, obs_new, s[:4]), jnp.where(done, state_new, s),
+                jnp.float32(1.0), terminated, truncated, s[:4])
+
+    return Env(f"cartpole{max_steps}", 4, 2, reset, step)
+
+
+def gymnax_env(name: str = "CartPole-v1") -> Env:
+    """A gymnax environment behind the same interface (needs the ``[massive]`` extra)."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a gymnax environment id (str), got {type(name).__name__}")
+    try:
+        import gymnax
+    except ImportError as err:
+        raise ImportError("gymnax_env needs gymnax: pip install 'parlearn[massive]'") from err
+    if name not in gymnax.registered_envs:
+        raise ValueError(f"name must be one of {gymnax.registered_envs}, got {name!r}")
+    env, params = gymnax.make(name)
+
+    def reset(key):
+        return env.reset(key, params)
+
+    def step(key, state, action):
+        obs, state, reward, terminated, truncated, info = env.step(key, state, action, params)
+        return (obs, state, reward.astype("float32"), terminated, truncated & ~terminated,
+                info["final_observation"])
+
+    return Env(name, int(np.prod(env.observation_space(params).shape)),
+               int(env.num_actions), reset, step)
+
+
+def batch_step(env: Env, keys, states, actions):
+    """Step a batch of copies at once: ``jax.vmap(env.step)``."""
+    import jax
+
+    return jax.vmap(env.step)(keys, states, actions)
