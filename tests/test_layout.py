@@ -17,6 +17,7 @@ PKG = Path(parlearn.__file__).parent
 # A layer may import its own layer and those below it, never one above.
 LAYERS = {"core": 0, "dist": 1, "multi_device": 2, "serial_chain": 2, "many_copies": 2,
           "elsewhere": 2}
+MAX_LINES = 500  # DESIGN.md: a module over ~400 lines becomes a package
 
 
 def _modules() -> dict[str, Path]:
@@ -150,6 +151,12 @@ def test_lesson_workers_are_only_imported_beside_them():
             if target.endswith(".workers") and not name.startswith(target.rsplit(".", 1)[0]):
                 bad.append(f"{name}:{line} imports {imported}")
     assert not bad, bad
+
+
+@pytest.mark.parametrize("name", sorted(MODULES), ids=str)
+def test_no_module_is_too_long(name):
+    n = len(MODULES[name].read_text().splitlines())
+    assert n <= MAX_LINES, f"{name} has {n} lines: split it into a package (limit {MAX_LINES})"
 
 
 @pytest.mark.parametrize("short", sorted(parlearn.SHORT_NAMES))
