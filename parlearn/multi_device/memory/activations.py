@@ -45,7 +45,8 @@ weight (``2 N_matmul`` bytes, kind ``weight copy``) until backward.
 Recomputation (``torch.utils.checkpoint``): ``selective`` keeps the inputs of the attention
 core (q, k after RoPE and v, in their own dtypes) instead of its outputs, so the ``a b s^2``
 term goes; under autocast RoPE's q and k are then kept in fp32 (learned positions: bf16),
-which costs more than it saves when ``a s < 2 h`` (short sequences). ``full`` keeps only each block's input.
+which costs more than it saves when ``a s < 2 h`` (short sequences). ``full`` keeps only
+each block's input.
 """
 
 from __future__ import annotations

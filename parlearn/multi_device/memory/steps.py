@@ -20,7 +20,7 @@ from torch import nn
 from parlearn.core.checks import check_int
 from parlearn.core.timing import compare
 from parlearn.multi_device.memory.measured import saved_tensors
-from parlearn.multi_device.transformer.model import RECOMPUTE, GPT
+from parlearn.multi_device.transformer.model import GPT, RECOMPUTE
 
 __all__ = ["state_bytes", "recompute_cost", "fp16_underflow"]
 

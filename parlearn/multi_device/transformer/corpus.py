@@ -67,7 +67,8 @@ def pydoc_corpus(val_fraction: float = 0.1) -> CharCorpus:
 
 def get_batch(ids: torch.Tensor, batch: int, seq: int, generator: torch.Generator
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``batch`` random windows of ``seq`` tokens and the same windows shifted by one."""
+    """``batch`` random windows of ``seq`` tokens and the same windows shifted by one, as
+    two contiguous tensors of their own (so a memory ledger sees each once)."""
     batch, seq = check_int("batch", batch, lo=1), check_int("seq", seq, lo=1)
     if ids.ndim != 1 or len(ids) <= seq:
         raise ValueError(f"ids must be 1-D and longer than seq={seq}, got shape "
@@ -75,4 +76,4 @@ def get_batch(ids: torch.Tensor, batch: int, seq: int, generator: torch.Generato
     start = torch.randint(0, len(ids) - seq, (batch,), generator=generator)
     window = start[:, None] + torch.arange(seq + 1)
     chunk = ids[window]
-    return chunk[:, :-1], chunk[:, 1:]
+    return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()

@@ -77,15 +77,16 @@ def evaluate(model: GPT, ids: torch.Tensor, *, batch: int = 32, seq: int | None 
 def train(cfg: GPTConfig | None = None, *, steps: int = 300, batch: int = 32,
           seq: int | None = None, lr: float = 3e-3, corpus: CharCorpus | None = None,
           device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-          eval_every: int = 50, seed: int = 0,
+          eval_every: int = 50, seed: int = 0, autocast: torch.dtype | None = None,
           progress: bool | Callable[[float, str], None] = True) -> dict:
     """Train a :class:`GPT` with AdamW (cosine decay after a short warm-up) on ``corpus``
     (default :func:`pydoc_corpus`); returns ``{"model", "steps", "train_loss",
     "eval_steps", "val_loss", "tokens"}``.
 
     Batches come from a generator seeded by ``seed``; the model's weights from
-    ``cfg.seed``. ``progress``: a tqdm bar (True), none (False) or ``progress(fraction,
-    text)`` called at each evaluation."""
+    ``cfg.seed``. ``autocast``: e.g. ``torch.bfloat16`` to run forward and loss under
+    ``torch.autocast`` (fp32 master weights, as torch.amp does). ``progress``: a tqdm bar
+    (True), none (False) or ``progress(fraction, text)`` called at each evaluation."""
     corpus = pydoc_corpus() if corpus is None else corpus
     cfg = GPTConfig(vocab_size=corpus.vocab_size) if cfg is None else cfg
     if cfg.vocab_size != corpus.vocab_size:
@@ -108,7 +109,9 @@ def train(cfg: GPTConfig | None = None, *, steps: int = 300, batch: int = 32,
                leave=False)
     for step in bar:
         x, y = get_batch(corpus.train, batch, seq, g)
-        _, loss = model(x.to(device), y.to(device))
+        with torch.autocast(torch.device(device).type, dtype=autocast or torch.bfloat16,
+                            enabled=autocast is not None):
+            _, loss = model(x.to(device), y.to(device))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
