@@ -121,3 +121,23 @@ def test_llama_shape_refuses_heads_not_dividing_hidden():
         M.LlamaShape(64, 2, 3, 1, 128, 100)
     with pytest.raises(ValueError, match="model must be one of"):
         M.estimate("llama4", 1, 16)
+
+
+def test_peak_memory_is_none_without_an_allocator_counter_and_bad_models_are_refused():
+    assert M.peak_memory(lambda: None, "cpu") is None
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        M.saved_tensors(lambda x: x, torch.zeros(1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_peak_memory_on_cuda_is_at_least_the_saved_activations():
+    cfg = T.GPTConfig(vocab_size=23, d_model=64, n_heads=4, n_layers=2, max_seq=64)
+    model = T.GPT(cfg, device="cuda")
+    idx = torch.randint(0, 23, (8, 64), device="cuda")
+    ledger, loss = M.saved_tensors(model, idx, idx)
+    del loss
+
+    def step():
+        model(idx, idx)[1].backward()
+
+    assert M.peak_memory(step, "cuda") >= ledger.bytes("activation")
