@@ -141,3 +141,17 @@ def test_peak_memory_on_cuda_is_at_least_the_saved_activations():
         model(idx, idx)[1].backward()
 
     assert M.peak_memory(step, "cuda") >= ledger.bytes("activation")
+
+
+def test_ledger_of_a_users_model_with_a_frozen_layer_and_a_layernorm():
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Tanh(),
+                              torch.nn.Linear(8, 3))
+    net[0].requires_grad_(False)  # frozen: its input needs no gradient, so it keeps nothing
+    x = torch.randn(5, 4)
+    ledger, out = M.saved_tensors(net, x)
+    # LayerNorm keeps its input and mean/rstd; tanh keeps its output; the last linear keeps
+    # that same output (one storage): 5x8 + 2x5 + 5x8 floats.
+    assert ledger.bytes("activation") == 4 * (5 * 8 + 2 * 5 + 5 * 8)
+    assert ledger.bytes("input") == 0  # x needs no gradient: nothing keeps it
+    out.sum().backward()
+    assert net[0].weight.grad is None and net[3].weight.grad is not None
