@@ -42,6 +42,8 @@ SHORT_NAMES: dict[str, str] = {
     "pipeline": "multi_device.pipeline",
     "tensor_parallel": "multi_device.tensor_parallel",
     "batching": "multi_device.batching",
+    "transformer": "multi_device.transformer",
+    "memory": "multi_device.memory",
     # Part 2: beyond backprop's serial chain
     "leapfrog": "serial_chain.leapfrog",
     "multigrid": "serial_chain.multigrid",

@@ -4,5 +4,8 @@
 - ``sharding``: weight-update sharding and ZeRO 1-3 beside FSDP2 and JAX (lesson 12);
 - ``pipeline``: GPipe, 1F1B, zero-bubble schedules on real ranks, simulator (lesson 13);
 - ``tensor_parallel``: Megatron layers, adjoint movements, tiling plans (lesson 14);
-- ``batching``: the noise scale, SimiGrad, AdaScale (lesson 15).
+- ``batching``: the noise scale, SimiGrad, AdaScale (lesson 15);
+- ``transformer``: the tiny GPT every later lesson of Part 1 splits (lesson 16);
+- ``memory``: the memory ledger of a step, recomputation, mixed precision, a calculator
+  (lesson 16).
 """

@@ -1,0 +1,37 @@
+"""Where the memory of a training step goes (lesson 16), modeled and measured.
+
+================  ========================================================================
+module            what it holds
+================  ========================================================================
+``measured``      the tensors autograd saves, counted by storage with saved-tensor hooks;
+                  the CUDA allocator's peak
+``activations``   the activation model of the tiny GPT, term by term (equal to the measured
+                  bytes), and Korthikanti et al.'s count for Megatron's block
+``steps``         bytes per parameter after a real optimizer step, recomputation's memory
+                  and time measured, fp16 underflow and the loss scaler
+``calculator``    :func:`estimate`: per-GPU bytes of Llama-shaped models under ZeRO, TP,
+                  PP, CP and recomputation (modeled)
+================  ========================================================================
+"""
+
+from parlearn.multi_device.memory.activations import (
+    PRECISIONS,
+    activation_bytes,
+    activation_terms,
+    korthikanti_bytes,
+    korthikanti_terms,
+)
+from parlearn.multi_device.memory.calculator import PRESETS, SCHEDULES, LlamaShape, estimate
+from parlearn.multi_device.memory.measured import (
+    Saved,
+    SavedLedger,
+    autocast_for,
+    peak_memory,
+    saved_tensors,
+)
+from parlearn.multi_device.memory.steps import fp16_underflow, recompute_cost, state_bytes
+
+__all__ = ["PRECISIONS", "activation_terms", "activation_bytes", "korthikanti_terms",
+           "korthikanti_bytes", "LlamaShape", "PRESETS", "SCHEDULES", "estimate", "Saved",
+           "SavedLedger", "saved_tensors", "peak_memory", "autocast_for", "state_bytes",
+           "recompute_cost", "fp16_underflow"]

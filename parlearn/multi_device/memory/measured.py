@@ -1,0 +1,146 @@
+"""Measure where a training step's memory goes: the tensors autograd saves, and the peak.
+
+:func:`saved_tensors` runs one forward under ``torch.autograd.graph.saved_tensors_hooks``
+and records every tensor autograd keeps for backward. A tensor can be saved by several ops
+(the input of the q, k and v projections) and a view keeps its whole storage alive, so the
+ledger counts each *storage* once, at its full size: the bytes that really stay allocated
+between forward and backward, on any device, exactly. Each storage is sorted into
+
+- ``parameter``: a model parameter (it exists whether or not a step runs);
+- ``buffer``: a model buffer (causal mask, RoPE tables);
+- ``input``: the step's own token ids and targets;
+- ``weight copy``: a lower-precision copy of a parameter made by autocast (bf16 weights),
+  recognised by shape and dtype;
+- ``activation``: everything else: what the activation model must account for.
+
+:func:`peak_memory` measures the allocator's peak of a whole step on CUDA
+(``torch.cuda.max_memory_allocated``); there is no such counter on CPU, where it returns
+None.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["Saved", "SavedLedger", "saved_tensors", "peak_memory", "autocast_for"]
+
+KINDS = ("activation", "weight copy", "input", "buffer", "parameter")
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One storage autograd kept: its first saver's shape and dtype, and its bytes."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    kind: str
+    uses: int  # how many times ops saved (views of) it
+
+
+@dataclass
+class SavedLedger:
+    """Every storage saved for backward in one forward, deduplicated."""
+
+    records: list[Saved] = field(default_factory=list)
+
+    def bytes(self, kind: str | None = None) -> int:
+        return sum(r.nbytes for r in self.records if kind is None or r.kind == kind)
+
+    def by_kind(self) -> dict[str, int]:
+        out = dict.fromkeys(KINDS, 0)
+        for r in self.records:
+            out[r.kind] += r.nbytes
+        return out
+
+    def by_shape(self, kind: str = "activation") -> dict[tuple, int]:
+        """Bytes of ``kind`` storages grouped by ``(shape, dtype)``: what to compare with a
+        term-by-term model."""
+        out: dict[tuple, int] = defaultdict(int)
+        for r in self.records:
+            if r.kind == kind:
+                out[(r.shape, r.dtype)] += r.nbytes
+        return dict(out)
+
+
+def autocast_for(device: torch.device | str, dtype: torch.dtype | None):
+    """``torch.autocast`` on ``device``'s type at ``dtype``, or a no-op for None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def saved_tensors(model: nn.Module, *inputs: torch.Tensor, autocast: torch.dtype | None = None,
+                  **kwargs) -> tuple[SavedLedger, torch.Tensor]:
+    """Run ``model(*inputs, **kwargs)`` once and return the :class:`SavedLedger` of what
+    autograd saved, and the loss (the output's second element if it is a tuple, else the
+    output), whose ``backward()`` the caller may still run. ``autocast``: a dtype such as
+    ``torch.bfloat16`` to run the forward under ``torch.autocast``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    params = {_ptr(p) for p in model.parameters()}
+    buffers = {_ptr(b) for b in model.buffers()}
+    given = {_ptr(t) for t in inputs if isinstance(t, torch.Tensor)}
+    seen: dict[int, list] = {}
+    keep: list[torch.Tensor] = []  # hold every saved tensor so no address is reused
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = _ptr(t)
+        if ptr in seen:
+            seen[ptr][4] += 1
+        else:
+            keep.append(t)
+            if ptr in params:
+                kind = "parameter"
+            elif ptr in buffers:
+                kind = "buffer"
+            elif ptr in given:
+                kind = "input"
+            elif autocast is not None and t.dtype == autocast and _is_weight_copy(t, model):
+                kind = "weight copy"
+            else:
+                kind = "activation"
+            seen[ptr] = [tuple(t.shape), t.dtype, t.untyped_storage().nbytes(), kind, 1]
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        dev = next(model.parameters()).device
+        with autocast_for(dev, autocast):
+            out = model(*inputs, **kwargs)
+    loss = out[1] if isinstance(out, tuple) else out
+    ledger = SavedLedger([Saved(*v) for v in seen.values()])
+    return ledger, loss
+
+
+def _is_weight_copy(t: torch.Tensor, model: nn.Module) -> bool:
+    """True when ``t`` is a parameter (or its transpose) rounded to ``t``'s dtype."""
+    if t.ndim != 2:
+        return False
+    for p in model.parameters():
+        for w in (p, p.t()) if p.ndim == 2 else ():
+            if w.shape == t.shape and torch.equal(w.detach().to(t.dtype), t.detach()):
+                return True
+    return False
+
+
+def peak_memory(step, device: torch.device | str) -> int | None:
+    """Peak bytes the CUDA allocator held while ``step()`` ran (above what was allocated
+    before), or None on a device without an allocator counter (CPU)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    step()
+    torch.cuda.synchronize(dev)
+    return torch.cuda.max_memory_allocated(dev) - base
