@@ -155,3 +155,30 @@ def test_ledger_of_a_users_model_with_a_frozen_layer_and_a_layernorm():
     assert ledger.bytes("input") == 0  # x needs no gradient: nothing keeps it
     out.sum().backward()
     assert net[0].weight.grad is None and net[3].weight.grad is not None
+
+
+class _TwoInputs(torch.nn.Module):
+    """A user's model called with its target as a keyword, the way a loss-returning model is."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x, target=None):
+        out = self.lin(x)
+        return out, torch.nn.functional.mse_loss(out, target)
+
+
+def test_a_target_saved_for_backward_counts_as_input_whether_positional_or_keyword():
+    net, x, y = _TwoInputs(), torch.randn(5, 4), torch.randn(5, 3)
+    positional = M.saved_tensors(net, x, y)[0].by_kind()
+    keyword = M.saved_tensors(net, x, target=y)[0].by_kind()
+    assert keyword == positional
+    assert keyword["input"] >= y.numel() * y.element_size()  # mse_loss keeps the target
+
+
+def test_a_model_without_parameters_runs_on_its_inputs_device():
+    x = torch.randn(6, 2, requires_grad=True)
+    ledger, out = M.saved_tensors(torch.nn.Tanh(), x)
+    assert ledger.by_kind()["activation"] == x.numel() * 4  # tanh keeps its output
+    assert ledger.bytes("parameter") == 0 and out.shape == x.shape

@@ -83,13 +83,16 @@ def saved_tensors(model: nn.Module, *inputs: torch.Tensor, autocast: torch.dtype
                   **kwargs) -> tuple[SavedLedger, torch.Tensor]:
     """Run ``model(*inputs, **kwargs)`` once and return the :class:`SavedLedger` of what
     autograd saved, and the loss (the output's second element if it is a tuple, else the
-    output), whose ``backward()`` the caller may still run. ``autocast``: a dtype such as
-    ``torch.bfloat16`` to run the forward under ``torch.autocast``."""
+    output), whose ``backward()`` the caller may still run. Tensors given as inputs,
+    positional or keyword (``targets=``), count as ``"input"``, not as activations.
+    ``autocast``: a dtype such as ``torch.bfloat16`` to run the forward under
+    ``torch.autocast``."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     params = {_ptr(p) for p in model.parameters()}
     buffers = {_ptr(b) for b in model.buffers()}
-    given = {_ptr(t) for t in inputs if isinstance(t, torch.Tensor)}
+    tensors = [t for t in (*inputs, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    given = {_ptr(t) for t in tensors}
     seen: dict[int, list] = {}
     keep: list[torch.Tensor] = []  # hold every saved tensor so no address is reused
 
@@ -113,7 +116,9 @@ def saved_tensors(model: nn.Module, *inputs: torch.Tensor, autocast: torch.dtype
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        dev = next(model.parameters()).device
+        # A model may have no parameter (a bare activation): then the inputs say the device.
+        first = next(model.parameters(), None)
+        dev = first.device if first is not None else (tensors[0].device if tensors else "cpu")
         with autocast_for(dev, autocast):
             out = model(*inputs, **kwargs)
     loss = out[1] if isinstance(out, tuple) else out
