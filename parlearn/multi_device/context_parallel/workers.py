@@ -1,0 +1,81 @@
+"""Workers the tests and lesson 17 run on real ranks, and the checks that compare them with
+one process (full attention through autograd, float64).
+
+:func:`attention_check` runs a scheme (``"ring"`` or ``"ulysses"``) on ``world_size``
+ranks on the loss ``<attention(q, k, v), w>`` and returns the largest error of the output
+and of ``dq, dk, dv`` against :func:`full_attention`, with each rank's ledger, timeline
+and causal work.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parlearn.core.checks import check_bool, check_choice, check_int
+from parlearn.multi_device.context_parallel.blocks import LAYOUTS, full_attention, shard_index
+from parlearn.multi_device.context_parallel.ring import ring_attention
+from parlearn.multi_device.context_parallel.ulysses import ulysses_attention
+
+__all__ = ["SCHEMES", "attention_inputs", "attention_worker", "attention_check"]
+
+SCHEMES = ("ring", "ulysses")
+
+
+def attention_inputs(seq: int, batch: int = 1, heads: int = 2, head_dim: int = 4,
+                     seed: int = 0, dtype: torch.dtype = torch.float64):
+    """``q, k, v`` and the loss weight ``w``, each ``(batch, heads, seq, head_dim)``, from a
+    private generator (the global RNG is not touched)."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(batch, heads, seq, head_dim, generator=gen, dtype=dtype)
+                 for _ in range(4))
+
+
+def attention_worker(rank: int, world_size: int, scheme: str, seq: int, batch: int,
+                     heads: int, head_dim: int, causal: bool, layout: str, seed: int,
+                     repeat: int = 1) -> dict:
+    """Worker: this rank's shard through ``scheme``, forward and backward, ``repeat`` times
+    (the last run's timeline is kept). Returns its output rows and gradient shards (CPU),
+    ledger summaries of forward and backward, and the timeline (ring only)."""
+    from parlearn.dist import ledger
+
+    idx = shard_index(seq, world_size, rank, layout)
+    q, k, v, w = (t[..., idx, :].clone() for t in
+                  attention_inputs(seq, batch, heads, head_dim, seed))
+    for _ in range(repeat):
+        qs, ks, vs = (t.clone().requires_grad_(True) for t in (q, k, v))
+        timeline: list = []
+        with ledger() as fwd:
+            if scheme == "ring":
+                o = ring_attention(qs, ks, vs, seq=seq, layout=layout, causal=causal,
+                                   timeline=timeline)
+            else:
+                o = ulysses_attention(qs, ks, vs, seq=seq, layout=layout, causal=causal)
+        with ledger() as bwd:
+            (o * w).sum().backward()
+    return dict(idx=idx, o=o.detach(), dq=qs.grad, dk=ks.grad, dv=vs.grad,
+                forward=fwd.summary(), backward=bwd.summary(), timeline=timeline)
+
+
+def attention_check(scheme: str, world_size: int, seq: int, *, batch: int = 1, heads: int = 2,
+                    head_dim: int = 4, causal: bool = False, layout: str = "contiguous",
+                    seed: int = 0, repeat: int = 1, timeout: float = 30) -> dict:
+    """Run :func:`attention_worker` on ``world_size`` real ranks; compare with full
+    attention in this process. Returns ``{"o", "dq", "dk", "dv"}`` (largest absolute
+    errors over all ranks) and ``"ranks"`` (each rank's raw result)."""
+    from parlearn.dist import run
+
+    check_choice("scheme", scheme, SCHEMES)
+    world_size = check_int("world_size", world_size, lo=1)
+    seq = check_int("seq", seq, lo=1)
+    causal = check_bool("causal", causal)
+    check_choice("layout", layout, LAYOUTS)
+    q, k, v, w = attention_inputs(seq, batch, heads, head_dim, seed)
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    ref = full_attention(q, k, v, causal)
+    (ref * w).sum().backward()
+    want = dict(o=ref.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
+    ranks = run(attention_worker, world_size, timeout=timeout,
+                args=(scheme, seq, batch, heads, head_dim, causal, layout, seed, repeat))
+    errors = {name: max(float((r[name] - want[name][..., r["idx"], :]).abs().max())
+                        for r in ranks) for name in want}
+    return {**errors, "ranks": ranks}
