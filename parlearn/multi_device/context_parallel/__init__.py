@@ -25,6 +25,13 @@ from parlearn.multi_device.context_parallel.blocks import (
     shard_chunks,
     shard_index,
 )
+from parlearn.multi_device.context_parallel.cost import (
+    COST_SCHEMES,
+    attention_memory,
+    hiding_shard,
+    scheme_cost,
+    timeline_summary,
+)
 from parlearn.multi_device.context_parallel.ring import RingAttention, ring_attention
 from parlearn.multi_device.context_parallel.sequence_parallel import (
     GatherSequence,
@@ -40,6 +47,7 @@ from parlearn.multi_device.context_parallel.workers import (
     attention_check,
     attention_inputs,
     attention_worker,
+    saved_bytes,
 )
 
 __all__ = ["LAYOUTS", "shard_chunks", "shard_index", "full_attention", "block_attention",
@@ -47,4 +55,5 @@ __all__ = ["LAYOUTS", "shard_chunks", "shard_index", "full_attention", "block_at
            "ring_attention", "AllToAll", "ulysses_attention", "GatherSequence",
            "ScatterSequence", "SequenceParallelBlock", "TensorParallelBlock", "serial_block",
            "sp_block_worker", "SCHEMES", "attention_inputs", "attention_worker",
-           "attention_check"]
+           "attention_check", "saved_bytes", "COST_SCHEMES", "scheme_cost",
+           "attention_memory", "hiding_shard", "timeline_summary"]

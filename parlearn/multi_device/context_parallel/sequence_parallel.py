@@ -128,21 +128,6 @@ class SequenceParallelBlock(_Sharded):
         return x + ScatterSequence.apply(F.linear(F.gelu(F.linear(h, self.w1)), self.w2))
 
 
-def _saved_bytes(fn, *args) -> tuple[torch.Tensor, int]:
-    """``fn(*args)`` and the bytes of the distinct storages autograd saved for backward,
-    parameters excluded."""
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        if not isinstance(t, nn.Parameter):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(*args)
-    return out, sum(seen.values())
-
-
 def sp_block_worker(rank: int, world_size: int, seq: int, batch: int, d_model: int,
                     d_hidden: int, seed: int = 0) -> dict:
     """Worker: the block under TP, under our SP, and under torch's SP style, on the loss
@@ -158,6 +143,7 @@ def sp_block_worker(rank: int, world_size: int, seq: int, batch: int, d_model: i
     )
 
     from parlearn.dist import ledger
+    from parlearn.multi_device.context_parallel.workers import saved_bytes
 
     full = serial_block(d_model, d_hidden, seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -172,7 +158,7 @@ def sp_block_worker(rank: int, world_size: int, seq: int, batch: int, d_model: i
         model = block(full, rank, world_size)
         xs = xin.clone().requires_grad_(True)
         with ledger() as fwd:
-            y, saved = _saved_bytes(model, xs)
+            y, saved = saved_bytes(model, xs)
         with ledger() as bwd:
             (y * win).sum().backward()
         ln = [p.grad.clone() for p in model.ln.parameters()]

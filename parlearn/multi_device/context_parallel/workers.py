@@ -16,9 +16,25 @@ from parlearn.multi_device.context_parallel.blocks import LAYOUTS, full_attentio
 from parlearn.multi_device.context_parallel.ring import ring_attention
 from parlearn.multi_device.context_parallel.ulysses import ulysses_attention
 
-__all__ = ["SCHEMES", "attention_inputs", "attention_worker", "attention_check"]
+__all__ = ["SCHEMES", "saved_bytes", "attention_inputs", "attention_worker", "attention_check"]
 
 SCHEMES = ("ring", "ulysses")
+
+
+def saved_bytes(fn, *args, **kwargs) -> tuple:
+    """``(fn(*args, **kwargs), bytes)``: the bytes of the distinct storages autograd saved
+    for backward during the call (what stays allocated until backward), parameters
+    excluded."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args, **kwargs)
+    return out, sum(seen.values())
 
 
 def attention_inputs(seq: int, batch: int = 1, heads: int = 2, head_dim: int = 4,
@@ -35,7 +51,8 @@ def attention_worker(rank: int, world_size: int, scheme: str, seq: int, batch: i
                      repeat: int = 1) -> dict:
     """Worker: this rank's shard through ``scheme``, forward and backward, ``repeat`` times
     (the last run's timeline is kept). Returns its output rows and gradient shards (CPU),
-    ledger summaries of forward and backward, and the timeline (ring only)."""
+    ledger summaries of forward and backward, the timeline (ring only) and the bytes
+    autograd saved for backward in forward (:func:`saved_bytes`)."""
     from parlearn.dist import ledger
 
     idx = shard_index(seq, world_size, rank, layout)
@@ -46,14 +63,16 @@ def attention_worker(rank: int, world_size: int, scheme: str, seq: int, batch: i
         timeline: list = []
         with ledger() as fwd:
             if scheme == "ring":
-                o = ring_attention(qs, ks, vs, seq=seq, layout=layout, causal=causal,
-                                   timeline=timeline)
+                o, saved = saved_bytes(ring_attention, qs, ks, vs, seq=seq, layout=layout,
+                                       causal=causal, timeline=timeline)
             else:
-                o = ulysses_attention(qs, ks, vs, seq=seq, layout=layout, causal=causal)
+                o, saved = saved_bytes(ulysses_attention, qs, ks, vs, seq=seq, layout=layout,
+                                       causal=causal)
         with ledger() as bwd:
             (o * w).sum().backward()
     return dict(idx=idx, o=o.detach(), dq=qs.grad, dk=ks.grad, dv=vs.grad,
-                forward=fwd.summary(), backward=bwd.summary(), timeline=timeline)
+                forward=fwd.summary(), backward=bwd.summary(), timeline=timeline,
+                saved=saved)
 
 
 def attention_check(scheme: str, world_size: int, seq: int, *, batch: int = 1, heads: int = 2,
@@ -61,7 +80,8 @@ def attention_check(scheme: str, world_size: int, seq: int, *, batch: int = 1, h
                     seed: int = 0, repeat: int = 1, timeout: float = 30) -> dict:
     """Run :func:`attention_worker` on ``world_size`` real ranks; compare with full
     attention in this process. Returns ``{"o", "dq", "dk", "dv"}`` (largest absolute
-    errors over all ranks) and ``"ranks"`` (each rank's raw result)."""
+    errors over all ranks), ``"ranks"`` (each rank's raw result) and ``"saved_full"``
+    (bytes full attention saves for backward in one process)."""
     from parlearn.dist import run
 
     check_choice("scheme", scheme, SCHEMES)
@@ -71,11 +91,11 @@ def attention_check(scheme: str, world_size: int, seq: int, *, batch: int = 1, h
     check_choice("layout", layout, LAYOUTS)
     q, k, v, w = attention_inputs(seq, batch, heads, head_dim, seed)
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
-    ref = full_attention(q, k, v, causal)
+    ref, saved = saved_bytes(full_attention, q, k, v, causal)
     (ref * w).sum().backward()
     want = dict(o=ref.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
     ranks = run(attention_worker, world_size, timeout=timeout,
                 args=(scheme, seq, batch, heads, head_dim, causal, layout, seed, repeat))
     errors = {name: max(float((r[name] - want[name][..., r["idx"], :]).abs().max())
                         for r in ranks) for name in want}
-    return {**errors, "ranks": ranks}
+    return {**errors, "ranks": ranks, "saved_full": saved}
