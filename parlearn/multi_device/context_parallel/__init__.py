@@ -11,6 +11,7 @@ module                 what it holds
 ``sequence_parallel``  Megatron SP: g / g-bar as all-gather / reduce-scatter inside TP
 ``cost``               bytes, messages and activation memory per rank per scheme (modeled)
 ``workers``            the checks on real ranks against full attention in one process
+``gpt``                the tiny GPT trained with each sequence sharded over the ranks
 =====================  ==================================================================
 """
 
@@ -31,6 +32,12 @@ from parlearn.multi_device.context_parallel.cost import (
     hiding_shard,
     scheme_cost,
     timeline_summary,
+)
+from parlearn.multi_device.context_parallel.gpt import (
+    cp_forward,
+    cp_train,
+    cp_train_worker,
+    serial_train,
 )
 from parlearn.multi_device.context_parallel.ring import RingAttention, ring_attention
 from parlearn.multi_device.context_parallel.sequence_parallel import (
@@ -56,4 +63,5 @@ __all__ = ["LAYOUTS", "shard_chunks", "shard_index", "full_attention", "block_at
            "ScatterSequence", "SequenceParallelBlock", "TensorParallelBlock", "serial_block",
            "sp_block_worker", "SCHEMES", "attention_inputs", "attention_worker",
            "attention_check", "saved_bytes", "COST_SCHEMES", "scheme_cost",
-           "attention_memory", "hiding_shard", "timeline_summary"]
+           "attention_memory", "hiding_shard", "timeline_summary", "cp_forward", "serial_train",
+           "cp_train", "cp_train_worker"]
