@@ -242,33 +242,15 @@ def test_bad_input_is_refused_naming_the_argument():
 # ---------------------------------------------------------------------------------------
 # torch's experimental context_parallel
 
-def _torch_cp(rank, world_size, device):
-    import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel
-
-    mesh = init_device_mesh(device, (world_size,))
-    q, k, v, _ = (t.to(device) for t in cp.attention_inputs(8 * world_size, heads=2,
-                                                             head_dim=8,
-                                                             dtype=torch.float32))
-    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    bufs = [q.clone(), k.clone(), v.clone()]
-    with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2]):
-        out = F.scaled_dot_product_attention(*bufs, is_causal=True)
-    mine = ref.chunk(2 * world_size, dim=2)  # torch's default load balancer: zig-zag
-    want = torch.cat((mine[rank], mine[2 * world_size - 1 - rank]), dim=2)
-    return float((out - want).abs().max())
-
-
 def test_torch_context_parallel_has_no_cpu_attention():
     """torch 2.13's context_parallel shards SDPA's CUDA kernels only: on CPU the attention
     op has no sharding strategy. If this starts passing, compare it with ours on CPU."""
     with pytest.raises(RankError, match="does not have a sharding strategy"):
-        run(_torch_cp, 2, args=("cpu",), timeout=20)
+        run(cp.torch_cp_worker, 2, args=("cpu",), timeout=20)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2,
                     reason="torch's context_parallel needs CUDA SDPA kernels; 2 GPUs (NCCL)")
 def test_torch_context_parallel_cuda_equals_full_attention():
-    errs = run(_torch_cp, 2, args=("cuda",), timeout=60)
+    errs = run(cp.torch_cp_worker, 2, args=("cuda",), timeout=60)
     assert max(errs) < 1e-4

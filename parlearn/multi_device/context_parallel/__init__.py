@@ -55,6 +55,7 @@ from parlearn.multi_device.context_parallel.workers import (
     attention_inputs,
     attention_worker,
     saved_bytes,
+    torch_cp_worker,
 )
 
 __all__ = ["LAYOUTS", "shard_chunks", "shard_index", "full_attention", "block_attention",
@@ -64,4 +65,4 @@ __all__ = ["LAYOUTS", "shard_chunks", "shard_index", "full_attention", "block_at
            "sp_block_worker", "SCHEMES", "attention_inputs", "attention_worker",
            "attention_check", "saved_bytes", "COST_SCHEMES", "scheme_cost",
            "attention_memory", "hiding_shard", "timeline_summary", "cp_forward", "serial_train",
-           "cp_train", "cp_train_worker"]
+           "cp_train", "cp_train_worker", "torch_cp_worker"]

@@ -16,7 +16,8 @@ from parlearn.multi_device.context_parallel.blocks import LAYOUTS, full_attentio
 from parlearn.multi_device.context_parallel.ring import ring_attention
 from parlearn.multi_device.context_parallel.ulysses import ulysses_attention
 
-__all__ = ["SCHEMES", "saved_bytes", "attention_inputs", "attention_worker", "attention_check"]
+__all__ = ["SCHEMES", "saved_bytes", "attention_inputs", "attention_worker", "attention_check",
+           "torch_cp_worker"]
 
 SCHEMES = ("ring", "ulysses")
 
@@ -99,3 +100,26 @@ def attention_check(scheme: str, world_size: int, seq: int, *, batch: int = 1, h
     errors = {name: max(float((r[name] - want[name][..., r["idx"], :]).abs().max())
                         for r in ranks) for name in want}
     return {**errors, "ranks": ranks, "saved_full": saved}
+
+
+def torch_cp_worker(rank: int, world_size: int, device: str = "cpu") -> float:
+    """Worker: torch's own ``torch.distributed.tensor.experimental.context_parallel`` on
+    causal SDPA (float32), against SDPA on the whole sequence in this rank. torch shards
+    the buffers with its default load balancer, the zig-zag layout (rank ``r`` gets chunks
+    ``r`` and ``2N-1-r``). Returns the largest error of this rank's output rows. In torch
+    2.13 it runs only where SDPA has a CUDA kernel: on CPU the attention op raises
+    "does not have a sharding strategy"."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    mesh = init_device_mesh(device, (world_size,))
+    q, k, v, _ = (t.to(device) for t in attention_inputs(8 * world_size, heads=2,
+                                                          head_dim=8, dtype=torch.float32))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    bufs = [q.clone(), k.clone(), v.clone()]
+    with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2]):
+        out = F.scaled_dot_product_attention(*bufs, is_causal=True)
+    chunks = ref.chunk(2 * world_size, dim=2)
+    want = torch.cat((chunks[rank], chunks[2 * world_size - 1 - rank]), dim=2)
+    return float((out - want).abs().max())
