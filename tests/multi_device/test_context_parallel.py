@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from parlearn import context_parallel as cp
+from parlearn import dist
 from parlearn.dist import RankError, ring_bytes, run
 from parlearn.multi_device.context_parallel import ring as ring_module
 
@@ -138,6 +139,39 @@ def test_ring_timeline_has_n_blocks_and_n_minus_1_waits():
         assert summary["fwd compute"] > 0
     work = [dict((e[0], e[1]) for e in rank["timeline"])["work"] for rank in r["ranks"]]
     assert work == cp.causal_work(9, 3, "contiguous")
+
+
+def test_hiding_shard_is_where_block_compute_equals_one_hop():
+    ab = dist.AlphaBeta(alpha=50e-6, beta=1 / 10e9)
+    b, heads, d, e, flops = 2, 4, 16, 2, 1e12
+    s = cp.hiding_shard(ab, flops, batch=b, heads=heads, head_dim=d, elt=e)
+    h = heads * d
+    compute = lambda n: 4 * b * n * n * h / flops  # noqa: E731
+    hop = lambda n: ab.alpha + 2 * b * n * h * e * ab.beta  # noqa: E731
+    assert compute(s) == pytest.approx(hop(s), rel=1e-9)
+    assert compute(0.99 * s) < hop(0.99 * s) and compute(1.01 * s) > hop(1.01 * s)
+    with pytest.raises(TypeError, match="model"):
+        cp.hiding_shard((50e-6, 1e-10), flops, batch=b, heads=heads, head_dim=d)
+    with pytest.raises(ValueError, match="flops"):
+        cp.hiding_shard(ab, 0.0, batch=b, heads=heads, head_dim=d)
+
+
+def test_modeled_sp_moves_tp_bytes_and_ring_volume_does_not_fall_with_n():
+    shape = dict(batch=2, seq=64, heads=8, head_dim=4)
+    for n in (2, 4, 8):
+        assert (cp.scheme_cost("sp", world_size=n, **shape)["wire"]
+                == cp.scheme_cost("tp", world_size=n, **shape)["wire"])
+    ring = [cp.scheme_cost("ring", world_size=n, **shape)["wire"] for n in (2, 4, 8)]
+    uly = [cp.scheme_cost("ulysses", world_size=n, **shape)["wire"] for n in (2, 4, 8)]
+    assert ring[0] < ring[1] < ring[2] < 2 * ring[0]  # (3N-2) blocks of S/N tokens: -> 3S
+    assert uly[0] > uly[1] > uly[2]
+
+
+def test_zigzag_ring_timeline_counts_the_balanced_work():
+    r = cp.attention_check("ring", 3, 20, causal=True, layout="zigzag", timeout=20)
+    work = [dict((e[0], e[1]) for e in rank["timeline"])["work"] for rank in r["ranks"]]
+    assert work == cp.causal_work(20, 3, "zigzag")
+    assert max(work) - min(work) <= (20 // 6 + 1) ** 2
 
 
 # ---------------------------------------------------------------------------------------
