@@ -1,0 +1,131 @@
+"""The tiny GPT of lesson 16 trained with context parallelism: each rank holds a shard of
+every sequence (lesson 17).
+
+Everything in a block except attention acts token by token, so a rank runs the embedding,
+the LayerNorms, the projections, the MLP and the loss on its own tokens alone. Two things
+need the rank to know WHERE its tokens are: rotary positions (each token is rotated by its
+global position's angle, not by its index in the shard) and attention, which needs the
+keys of the whole sequence: :func:`ring_attention` or :func:`ulysses_attention` brings them.
+
+The loss is the mean over all ``b S`` tokens, so a rank adds up its tokens' cross-entropy
+and divides by ``b S``; the ranks' parameter gradients are partial sums (every rank holds
+every weight, as in data parallelism) and one all-reduce per step adds them up. After it
+every rank holds the full-batch gradient and takes the same optimizer step, which is why
+:func:`cp_train` equals :func:`serial_train` step by step (float64).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as tdist
+import torch.nn.functional as F
+
+from parlearn.core.checks import check_choice, check_int
+from parlearn.multi_device.context_parallel.blocks import LAYOUTS, shard_index
+from parlearn.multi_device.context_parallel.ring import ring_attention
+from parlearn.multi_device.context_parallel.ulysses import ulysses_attention
+from parlearn.multi_device.transformer.corpus import get_batch, pydoc_corpus
+from parlearn.multi_device.transformer.model import GPT, GPTConfig, _rotate_half
+
+__all__ = ["cp_forward", "serial_train", "cp_train", "cp_train_worker"]
+
+_ATTENTION = {"ring": ring_attention, "ulysses": ulysses_attention}
+
+
+def cp_forward(model: GPT, idx: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
+               *, seq: int, layout: str = "contiguous", scheme: str = "ring") -> torch.Tensor:
+    """This rank's share of the loss: the SUM of cross-entropy over its tokens ``idx``
+    (``(batch, shard_len)``, global ``positions``) divided by ``batch * seq``, so the
+    ranks' shares add up to the mean loss of the whole sequence. Must run on a group."""
+    check_choice("scheme", scheme, tuple(_ATTENTION))
+    if not isinstance(model, GPT):
+        raise TypeError(f"model must be a parlearn GPT, got {type(model).__name__}")
+    attention = _ATTENTION[scheme]
+    b, s = idx.shape
+    x = model.tok(idx)
+    if model.pos is not None:
+        x = x + model.pos(positions)
+    cos, sin = model.cos[positions], model.sin[positions]
+    for block in model.blocks:
+        a = block.attn
+        h = block.ln1(x)
+        q, k, v = (lin(h).view(b, s, a.n_heads, -1).transpose(1, 2) for lin in (a.q, a.k, a.v))
+        if a.rope:
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+        y = attention(q, k, v, seq=seq, layout=layout, causal=True)
+        x = x + a.o(y.transpose(1, 2).reshape(b, s, -1))
+        x = x + block.mlp(block.ln2(x))
+    logits = F.linear(model.ln_f(x), model.head_weight)
+    return F.cross_entropy(logits.reshape(b * s, -1), targets.reshape(b * s),
+                           reduction="sum") / (b * seq)
+
+
+def _batches(steps: int, batch: int, seq: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    ids = pydoc_corpus().train
+    return [get_batch(ids, batch, seq, gen) for _ in range(steps)]
+
+
+def _cfg(cfg: GPTConfig, seq: int) -> GPTConfig:
+    if not isinstance(cfg, GPTConfig):
+        raise TypeError(f"cfg must be a GPTConfig, got {type(cfg).__name__}")
+    if seq > cfg.max_seq:
+        raise ValueError(f"seq={seq} must be at most cfg.max_seq={cfg.max_seq}")
+    return cfg
+
+
+def serial_train(cfg: GPTConfig, *, steps: int = 3, batch: int = 2, seq: int = 16,
+                 lr: float = 1e-2, seed: int = 0) -> dict:
+    """The reference: the same GPT (float64), data and AdamW steps in one process.
+    Returns ``{"loss": [per step], "params": {name: tensor}}``."""
+    steps, batch, seq = (check_int(n, v, lo=1) for n, v in
+                         (("steps", steps), ("batch", batch), ("seq", seq)))
+    model = GPT(_cfg(cfg, seq), dtype=torch.float64)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for idx, tgt in _batches(steps, batch, seq, seed):
+        opt.zero_grad()
+        loss = model(idx, tgt)[1]
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return dict(loss=losses, params={n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+def cp_train_worker(rank: int, world_size: int, cfg: GPTConfig, steps: int, batch: int,
+                    seq: int, lr: float, seed: int, layout: str, scheme: str) -> dict:
+    """Worker: :func:`serial_train`'s loop with each sequence sharded over the ranks by
+    ``layout``; loss shares and gradients summed by all-reduce."""
+    model = GPT(cfg, dtype=torch.float64)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    pos = shard_index(seq, world_size, rank, layout)
+    losses = []
+    for idx, tgt in _batches(steps, batch, seq, seed):
+        opt.zero_grad()
+        loss = cp_forward(model, idx[:, pos], tgt[:, pos], pos, seq=seq, layout=layout,
+                          scheme=scheme)
+        loss.backward()
+        for p in model.parameters():
+            tdist.all_reduce(p.grad)
+        total = loss.detach().clone()
+        tdist.all_reduce(total)
+        opt.step()
+        losses.append(float(total))
+    return dict(loss=losses, params={n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+def cp_train(cfg: GPTConfig, world_size: int = 2, *, steps: int = 3, batch: int = 2,
+             seq: int = 16, lr: float = 1e-2, seed: int = 0, layout: str = "zigzag",
+             scheme: str = "ring", timeout: float = 60) -> list[dict]:
+    """Run :func:`cp_train_worker` on ``world_size`` real ranks; one dict per rank, as
+    :func:`serial_train` returns."""
+    from parlearn.dist import run
+
+    world_size = check_int("world_size", world_size, lo=2)
+    steps, batch, seq = (check_int(n, v, lo=1) for n, v in
+                         (("steps", steps), ("batch", batch), ("seq", seq)))
+    check_choice("layout", layout, LAYOUTS)
+    check_choice("scheme", scheme, tuple(_ATTENTION))
+    return run(cp_train_worker, world_size, timeout=timeout,
+               args=(_cfg(cfg, seq), steps, batch, seq, lr, seed, layout, scheme))

@@ -1,0 +1,100 @@
+"""DeepSpeed-Ulysses: swap a sequence split for a head split around attention (lesson 17).
+
+Before attention every rank holds a slice of the sequence for all ``H`` heads. One
+all-to-all turns that into the WHOLE sequence for ``H / N`` heads (rank ``j`` receives
+head group ``j`` from every rank), attention runs locally and unchanged per head, and a
+second all-to-all turns the output back into a sequence slice (Jacobs et al. 2023).
+Heads are independent, so nothing else needs to move; the price is that the degree ``N``
+can be no larger than the number of heads, and must divide it.
+
+Per rank, forward sends ``q, k, v`` once (``3 b H (S/N) d`` elements) and the output once
+(``b H (S/N) d``); backward mirrors it. Under a pairwise all-to-all a rank keeps ``1/N``
+of what it sends, so its wire bytes are ``(N-1)/N`` of these payloads: unlike ring
+attention, the volume per rank falls as ``N`` grows (at fixed ``S``).
+
+The all-to-all here is an autograd function whose backward is the reverse all-to-all, so
+autograd differentiates the local attention; the sequence may split unevenly (one
+``all_to_all_single`` with uneven splits).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as tdist
+
+from parlearn.core.checks import check_bool, check_choice, check_int, check_tensor
+from parlearn.multi_device.context_parallel.blocks import LAYOUTS, shard_chunks, shard_index
+
+__all__ = ["AllToAll", "ulysses_attention"]
+
+
+class AllToAll(torch.autograd.Function):
+    """``AllToAll.apply(x, split_dim, send_sizes, cat_dim, recv_sizes)``: split ``x`` along
+    ``split_dim`` into ``send_sizes`` (part ``j`` to rank ``j``), concatenate what arrives
+    along ``cat_dim`` (``recv_sizes[i]`` from rank ``i``). Backward is the same exchange
+    reversed."""
+
+    @staticmethod
+    def forward(ctx, x, split_dim, send_sizes, cat_dim, recv_sizes):
+        ctx.args = (split_dim, send_sizes, cat_dim, recv_sizes)
+        return _exchange(x, split_dim, send_sizes, cat_dim, recv_sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        split_dim, send_sizes, cat_dim, recv_sizes = ctx.args
+        return _exchange(grad, cat_dim, recv_sizes, split_dim, send_sizes), None, None, None, None
+
+
+def _exchange(x, split_dim, send_sizes, cat_dim, recv_sizes):
+    """Part ``j`` of ``x`` along ``split_dim`` to rank ``j``; what rank ``i`` sends me has
+    my part's size along ``split_dim`` and ``recv_sizes[i]`` along ``cat_dim``. One
+    ``all_to_all_single`` on the flattened parts, so parts may differ in size."""
+    parts = x.split(list(send_sizes), dim=split_dim)
+    mine = send_sizes[tdist.get_rank()]
+    shapes = []
+    for n in recv_sizes:
+        shape = list(x.shape)
+        shape[split_dim], shape[cat_dim] = mine, n
+        shapes.append(shape)
+    numels = [torch.Size(s).numel() for s in shapes]
+    flat = torch.empty(sum(numels), dtype=x.dtype, device=x.device)
+    tdist.all_to_all_single(flat, torch.cat([p.reshape(-1) for p in parts]),
+                            output_split_sizes=numels,
+                            input_split_sizes=[p.numel() for p in parts])
+    return torch.cat([c.view(s) for c, s in zip(flat.split(numels), shapes, strict=True)],
+                     dim=cat_dim)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq: int,
+                      layout: str = "contiguous", causal: bool = False) -> torch.Tensor:
+    """This rank's output rows of attention over ``seq`` tokens, Ulysses-style: ``q, k, v``
+    are this rank's sequence shards ``(batch, heads, shard_len, head_dim)`` (``layout`` as
+    in :func:`shard_chunks`); the group's size must divide ``heads``. Differentiable."""
+    if not tdist.is_initialized():
+        raise RuntimeError("ulysses_attention needs an initialised torch.distributed group")
+    world, rank = tdist.get_world_size(), tdist.get_rank()
+    seq = check_int("seq", seq, lo=1)
+    check_choice("layout", layout, LAYOUTS)
+    causal = check_bool("causal", causal)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, shape=tuple(q.shape), floating=True)
+    heads = q.shape[1]
+    if heads % world:
+        raise ValueError(f"Ulysses needs the degree (world_size={world}) to divide the number "
+                         f"of heads (q.shape[1]={heads}); the degree can be at most {heads}")
+    lengths = [sum(b - a for a, b in shard_chunks(seq, world, r, layout)) for r in range(world)]
+    if q.shape[-2] != lengths[rank]:
+        raise ValueError(f"q holds {q.shape[-2]} tokens but rank {rank}'s shard of seq={seq} "
+                         f"({layout}) has {lengths[rank]}")
+    group = heads // world
+    qkv = torch.stack((q, k, v))  # (3, b, H, s_r, d): heads are dim 2, sequence dim 3
+    # sequence shard, all heads  ->  whole sequence (in rank order), H/N heads
+    qkv = AllToAll.apply(qkv, 2, [group] * world, 3, lengths)
+    q_all, k_all, v_all = qkv.unbind(0)
+    scores = (q_all @ k_all.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if causal:
+        pos = torch.cat([shard_index(seq, world, r, layout) for r in range(world)])
+        scores = scores.masked_fill((pos[None, :] > pos[:, None]).to(q.device), float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v_all
+    # whole sequence, H/N heads  ->  this rank's sequence shard, all heads
+    return AllToAll.apply(out, 2, lengths, 1, [group] * world)

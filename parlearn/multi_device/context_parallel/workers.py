@@ -1,0 +1,125 @@
+"""Workers the tests and lesson 17 run on real ranks, and the checks that compare them with
+one process (full attention through autograd, float64).
+
+:func:`attention_check` runs a scheme (``"ring"`` or ``"ulysses"``) on ``world_size``
+ranks on the loss ``<attention(q, k, v), w>`` and returns the largest error of the output
+and of ``dq, dk, dv`` against :func:`full_attention`, with each rank's ledger, timeline
+and causal work.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parlearn.core.checks import check_bool, check_choice, check_int
+from parlearn.multi_device.context_parallel.blocks import LAYOUTS, full_attention, shard_index
+from parlearn.multi_device.context_parallel.ring import ring_attention
+from parlearn.multi_device.context_parallel.ulysses import ulysses_attention
+
+__all__ = ["SCHEMES", "saved_bytes", "attention_inputs", "attention_worker", "attention_check",
+           "torch_cp_worker"]
+
+SCHEMES = ("ring", "ulysses")
+
+
+def saved_bytes(fn, *args, **kwargs) -> tuple:
+    """``(fn(*args, **kwargs), bytes)``: the bytes of the distinct storages autograd saved
+    for backward during the call (what stays allocated until backward), parameters
+    excluded."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args, **kwargs)
+    return out, sum(seen.values())
+
+
+def attention_inputs(seq: int, batch: int = 1, heads: int = 2, head_dim: int = 4,
+                     seed: int = 0, dtype: torch.dtype = torch.float64):
+    """``q, k, v`` and the loss weight ``w``, each ``(batch, heads, seq, head_dim)``, from a
+    private generator (the global RNG is not touched)."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(batch, heads, seq, head_dim, generator=gen, dtype=dtype)
+                 for _ in range(4))
+
+
+def attention_worker(rank: int, world_size: int, scheme: str, seq: int, batch: int,
+                     heads: int, head_dim: int, causal: bool, layout: str, seed: int,
+                     repeat: int = 1) -> dict:
+    """Worker: this rank's shard through ``scheme``, forward and backward, ``repeat`` times
+    (the last run's timeline is kept). Returns its output rows and gradient shards (CPU),
+    ledger summaries of forward and backward, the timeline (ring only) and the bytes
+    autograd saved for backward in forward (:func:`saved_bytes`)."""
+    from parlearn.dist import ledger
+
+    idx = shard_index(seq, world_size, rank, layout)
+    q, k, v, w = (t[..., idx, :].clone() for t in
+                  attention_inputs(seq, batch, heads, head_dim, seed))
+    for _ in range(repeat):
+        qs, ks, vs = (t.clone().requires_grad_(True) for t in (q, k, v))
+        timeline: list = []
+        with ledger() as fwd:
+            if scheme == "ring":
+                o, saved = saved_bytes(ring_attention, qs, ks, vs, seq=seq, layout=layout,
+                                       causal=causal, timeline=timeline)
+            else:
+                o, saved = saved_bytes(ulysses_attention, qs, ks, vs, seq=seq, layout=layout,
+                                       causal=causal)
+        with ledger() as bwd:
+            (o * w).sum().backward()
+    return dict(idx=idx, o=o.detach(), dq=qs.grad, dk=ks.grad, dv=vs.grad,
+                forward=fwd.summary(), backward=bwd.summary(), timeline=timeline,
+                saved=saved)
+
+
+def attention_check(scheme: str, world_size: int, seq: int, *, batch: int = 1, heads: int = 2,
+                    head_dim: int = 4, causal: bool = False, layout: str = "contiguous",
+                    seed: int = 0, repeat: int = 1, timeout: float = 30) -> dict:
+    """Run :func:`attention_worker` on ``world_size`` real ranks; compare with full
+    attention in this process. Returns ``{"o", "dq", "dk", "dv"}`` (largest absolute
+    errors over all ranks), ``"ranks"`` (each rank's raw result) and ``"saved_full"``
+    (bytes full attention saves for backward in one process)."""
+    from parlearn.dist import run
+
+    check_choice("scheme", scheme, SCHEMES)
+    world_size = check_int("world_size", world_size, lo=1)
+    seq = check_int("seq", seq, lo=1)
+    causal = check_bool("causal", causal)
+    check_choice("layout", layout, LAYOUTS)
+    q, k, v, w = attention_inputs(seq, batch, heads, head_dim, seed)
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    ref, saved = saved_bytes(full_attention, q, k, v, causal)
+    (ref * w).sum().backward()
+    want = dict(o=ref.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
+    ranks = run(attention_worker, world_size, timeout=timeout,
+                args=(scheme, seq, batch, heads, head_dim, causal, layout, seed, repeat))
+    errors = {name: max(float((r[name] - want[name][..., r["idx"], :]).abs().max())
+                        for r in ranks) for name in want}
+    return {**errors, "ranks": ranks, "saved_full": saved}
+
+
+def torch_cp_worker(rank: int, world_size: int, device: str = "cpu") -> float:
+    """Worker: torch's own ``torch.distributed.tensor.experimental.context_parallel`` on
+    causal SDPA (float32), against SDPA on the whole sequence in this rank. torch shards
+    the buffers with its default load balancer, the zig-zag layout (rank ``r`` gets chunks
+    ``r`` and ``2N-1-r``). Returns the largest error of this rank's output rows. In torch
+    2.13 it runs only where SDPA has a CUDA kernel: on CPU the attention op raises
+    "does not have a sharding strategy"."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    mesh = init_device_mesh(device, (world_size,))
+    q, k, v, _ = (t.to(device) for t in attention_inputs(8 * world_size, heads=2,
+                                                          head_dim=8, dtype=torch.float32))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    bufs = [q.clone(), k.clone(), v.clone()]
+    with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2]):
+        out = F.scaled_dot_product_attention(*bufs, is_causal=True)
+    chunks = ref.chunk(2 * world_size, dim=2)
+    want = torch.cat((chunks[rank], chunks[2 * world_size - 1 - rank]), dim=2)
+    return float((out - want).abs().max())

@@ -1,0 +1,290 @@
+"""parlearn.context_parallel: every scheme equals full attention, forward and backward,
+float64, on real gloo ranks; bytes and memory equal their formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parlearn import context_parallel as cp
+from parlearn import dist
+from parlearn.dist import RankError, ring_bytes, run
+from parlearn.multi_device.context_parallel import ring as ring_module
+
+TOL = 1e-12
+
+
+# ---------------------------------------------------------------------------------------
+# serial pieces
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_blocks_merged_over_key_chunks_equal_full_attention(causal):
+    q, k, v, w = cp.attention_inputs(11, batch=2, heads=3, head_dim=4, seed=1)
+    chunks = [(0, 4), (4, 7), (7, 11)]
+    o = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    for a, b in reversed(chunks):  # any order
+        bo, bl, _ = cp.block_attention(q, k[..., a:b, :], v[..., a:b, :], [(0, 11)], [(a, b)],
+                                       causal)
+        o, lse = cp.merge(o, lse, bo, bl)
+    assert torch.allclose(o, cp.full_attention(q, k, v, causal), atol=TOL, rtol=0)
+
+    qs, ks, vs = (t.clone().requires_grad_(True) for t in (q, k, v))
+    (cp.full_attention(qs, ks, vs, causal) * w).sum().backward()
+    delta = (w * o).sum(-1)
+    dq = torch.zeros_like(q)
+    for a, b in chunks:
+        bq, bk, bv = cp.block_backward(q, k[..., a:b, :], v[..., a:b, :], w, lse, delta,
+                                       [(0, 11)], [(a, b)], causal)
+        dq += bq
+        assert torch.allclose(bk, ks.grad[..., a:b, :], atol=TOL, rtol=0)
+        assert torch.allclose(bv, vs.grad[..., a:b, :], atol=TOL, rtol=0)
+    assert torch.allclose(dq, qs.grad, atol=TOL, rtol=0)
+
+
+def test_layouts_cover_the_sequence_once():
+    for layout in cp.LAYOUTS:
+        for n in (2, 3, 4):
+            idx = torch.cat([cp.shard_index(19, n, r, layout) for r in range(n)])
+            assert sorted(idx.tolist()) == list(range(19))
+    assert cp.shard_chunks(8, 2, 0, "zigzag") == [(0, 2), (6, 8)]
+    assert cp.shard_chunks(8, 2, 1, "zigzag") == [(2, 4), (4, 6)]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_causal_work_naive_vs_zigzag(n):
+    seq = 8 * n
+    naive = cp.causal_work(seq, n, "contiguous")
+    zig = cp.causal_work(seq, n, "zigzag")
+    c = seq // n
+    assert naive == [(r + 1) * c * c for r in range(n)]  # rank r: r full tiles + diagonal
+    assert len(set(zig)) == 1 and sum(zig) < sum(naive)
+    assert cp.idle_fraction(naive) == pytest.approx((n - 1) / (2 * n))
+    assert cp.idle_fraction(zig) == 0.0
+    # uneven: equal to within one chunk's tile
+    uneven = cp.causal_work(seq + 3, n, "zigzag")
+    chunk = (seq + 3) // (2 * n) + 1
+    assert max(uneven) - min(uneven) <= chunk * chunk
+    assert cp.causal_work(seq, n, "contiguous", causal=False) == [seq * c] * n
+
+
+# ---------------------------------------------------------------------------------------
+# every scheme vs full attention on real ranks
+
+CASES = [(scheme, n, causal, layout) for scheme in cp.SCHEMES for n in (2, 3, 4)
+         for causal in (False, True) for layout in cp.LAYOUTS]
+
+
+@pytest.mark.parametrize("scheme,n,causal,layout", CASES)
+def test_scheme_equals_full_attention(scheme, n, causal, layout):
+    seq = 4 * n + 1  # does not divide evenly
+    err = cp.attention_check(scheme, n, seq, heads=12, head_dim=2, batch=2, causal=causal,
+                             layout=layout, timeout=20)
+    assert max(err[k] for k in ("o", "dq", "dk", "dv")) < TOL, err
+
+
+def _stale_kv(monkeypatch):
+    """The diffusers#14265 bug, applied to our ring backward: every step reuses the K/V
+    block it saw first instead of the one it received."""
+    real, first = ring_module.block_backward, {}
+
+    def stale(q, k, v, *args):
+        first.setdefault("kv", (k, v))
+        return real(q, *first["kv"], *args)
+
+    monkeypatch.setattr(ring_module, "block_backward", stale)
+
+
+def test_ring_backward_that_reuses_first_kv_is_caught(monkeypatch):
+    _stale_kv(monkeypatch)  # forked ranks inherit the patch
+    err = cp.attention_check("ring", 2, 8, causal=False, timeout=20)
+    assert err["o"] < TOL  # the forward is untouched: why the bug stayed silent
+    assert err["dq"] > 1e-3 and err["dk"] > 1e-3
+
+
+def test_ledger_bytes_equal_the_formulas():
+    b, seq, heads, d, n = 2, 16, 4, 2, 4
+    for scheme in cp.SCHEMES:
+        r = cp.attention_check(scheme, n, seq, batch=b, heads=heads, head_dim=d, timeout=20)
+        model = cp.scheme_cost(scheme, batch=b, seq=seq, heads=heads, head_dim=d,
+                               world_size=n)
+        kind = "isend" if scheme == "ring" else "all_to_all_single"
+        for rank in r["ranks"]:
+            for phase in ("forward", "backward"):
+                count, nbytes, _ = rank[phase][kind]
+                assert count == len(model[phase])
+                assert nbytes == sum(x for _, x in model[phase])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_memory_measured_equals_modeled(causal):
+    b, seq, heads, d = 1, 16, 4, 2
+    shape = dict(batch=b, seq=seq, heads=heads, head_dim=d, causal=causal)
+    for scheme in cp.SCHEMES:
+        for n in (2, 4):
+            r = cp.attention_check(scheme, n, seq, timeout=20,
+                                   **{k: v for k, v in shape.items() if k != "seq"})
+            assert r["saved_full"] == cp.attention_memory("full", **shape)
+            want = cp.attention_memory(scheme, world_size=n, **shape)
+            assert [x["saved"] for x in r["ranks"]] == [want] * n
+
+
+def test_ring_timeline_has_n_blocks_and_n_minus_1_waits():
+    r = cp.attention_check("ring", 3, 9, causal=True, timeout=20)
+    for rank in r["ranks"]:
+        labels = [e[0] for e in rank["timeline"]]
+        assert labels.count("fwd compute") == 3 and labels.count("fwd wait") == 2
+        assert labels.count("bwd compute") == 3 and labels.count("bwd grad wait") == 3
+        summary = cp.timeline_summary(rank["timeline"])
+        assert summary["fwd compute"] > 0
+    work = [dict((e[0], e[1]) for e in rank["timeline"])["work"] for rank in r["ranks"]]
+    assert work == cp.causal_work(9, 3, "contiguous")
+
+
+def test_hiding_shard_is_where_block_compute_equals_one_hop():
+    ab = dist.AlphaBeta(alpha=50e-6, beta=1 / 10e9)
+    b, heads, d, e, flops = 2, 4, 16, 2, 1e12
+    s = cp.hiding_shard(ab, flops, batch=b, heads=heads, head_dim=d, elt=e)
+    h = heads * d
+    compute = lambda n: 4 * b * n * n * h / flops  # noqa: E731
+    hop = lambda n: ab.alpha + 2 * b * n * h * e * ab.beta  # noqa: E731
+    assert compute(s) == pytest.approx(hop(s), rel=1e-9)
+    assert compute(0.99 * s) < hop(0.99 * s) and compute(1.01 * s) > hop(1.01 * s)
+    with pytest.raises(TypeError, match="model"):
+        cp.hiding_shard((50e-6, 1e-10), flops, batch=b, heads=heads, head_dim=d)
+    with pytest.raises(ValueError, match="flops"):
+        cp.hiding_shard(ab, 0.0, batch=b, heads=heads, head_dim=d)
+
+
+def test_modeled_sp_moves_tp_bytes_and_ring_volume_does_not_fall_with_n():
+    shape = dict(batch=2, seq=64, heads=8, head_dim=4)
+    for n in (2, 4, 8):
+        assert (cp.scheme_cost("sp", world_size=n, **shape)["wire"]
+                == cp.scheme_cost("tp", world_size=n, **shape)["wire"])
+    ring = [cp.scheme_cost("ring", world_size=n, **shape)["wire"] for n in (2, 4, 8)]
+    uly = [cp.scheme_cost("ulysses", world_size=n, **shape)["wire"] for n in (2, 4, 8)]
+    assert ring[0] < ring[1] < ring[2] < 2 * ring[0]  # (3N-2) blocks of S/N tokens: -> 3S
+    assert uly[0] > uly[1] > uly[2]
+
+
+def test_zigzag_ring_timeline_counts_the_balanced_work():
+    r = cp.attention_check("ring", 3, 20, causal=True, layout="zigzag", timeout=20)
+    work = [dict((e[0], e[1]) for e in rank["timeline"])["work"] for rank in r["ranks"]]
+    assert work == cp.causal_work(20, 3, "zigzag")
+    assert max(work) - min(work) <= (20 // 6 + 1) ** 2
+
+
+# ---------------------------------------------------------------------------------------
+# the tiny GPT trained with context parallelism
+
+@pytest.mark.parametrize("scheme,layout", [("ring", "zigzag"), ("ring", "contiguous"),
+                                           ("ulysses", "zigzag")])
+def test_gpt_trained_with_cp_equals_one_process_step_by_step(scheme, layout):
+    from parlearn import transformer
+
+    cfg = transformer.GPTConfig(d_model=16, n_heads=4, n_layers=2, max_seq=16)
+    ref = cp.serial_train(cfg, steps=3, batch=2, seq=13)  # 13 tokens: uneven shards
+    ranks = cp.cp_train(cfg, 2, steps=3, batch=2, seq=13, layout=layout, scheme=scheme)
+    for r in ranks:
+        assert r["loss"] == pytest.approx(ref["loss"], abs=1e-12, rel=0)
+        for name, p in ref["params"].items():  # AdamW divides by sqrt(v): looser than TOL
+            assert torch.allclose(r["params"][name], p, atol=1e-10, rtol=0), name
+
+
+# ---------------------------------------------------------------------------------------
+# Megatron sequence parallelism
+
+def _serial_block(seq, b, h, hid):
+    full = cp.serial_block(h, hid, 0)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(seq, b, h, generator=gen, dtype=torch.float64).requires_grad_(True)
+    w = torch.randn(seq, b, h, generator=gen, dtype=torch.float64)
+    y = x + full[1:](full[0](x))
+    (y * w).sum().backward()
+    return full, x, y.detach()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_sequence_parallel_equals_serial_and_moves_tp_bytes(n):
+    seq, b, h, hid = 8, 2, 4, 8
+    full, x, y = _serial_block(seq, b, h, hid)
+    ranks = run(cp.sp_block_worker, n, args=(seq, b, h, hid, 0), timeout=20)
+    for name in ("sp", "torch"):
+        got_y = torch.cat([r[name]["y"] for r in ranks])
+        got_dx = torch.cat([r[name]["dx"] for r in ranks])
+        assert torch.allclose(got_y, y, atol=TOL, rtol=0)
+        assert torch.allclose(got_dx, x.grad, atol=TOL, rtol=0)
+    w1 = torch.cat([r["sp"]["w1"] for r in ranks])
+    w2 = torch.cat([r["sp"]["w2"] for r in ranks], dim=1)
+    assert torch.allclose(w1, full[1].weight.grad, atol=TOL, rtol=0)
+    assert torch.allclose(w2, full[3].weight.grad, atol=TOL, rtol=0)
+    for got, p in zip(ranks[0]["sp"]["ln"], full[0].parameters(), strict=True):
+        assert torch.allclose(got, p.grad, atol=TOL, rtol=0)
+    for got, p in zip(ranks[0]["torch"]["grads"], full.parameters(), strict=True):
+        assert torch.allclose(got, p.grad, atol=TOL, rtol=0)
+    for r in ranks:
+        tp, sp = r["tp"]["ledger"], r["sp"]["ledger"]
+        assert [x.kind for x in tp] == ["all_reduce"] * 2
+        assert sorted(x.kind for x in sp) == ["all_gather"] * 2 + ["reduce_scatter"] * 2
+        wire = [sum(ring_bytes(x.kind, x.bytes, n) for x in led) for led in (tp, sp)]
+        assert wire[0] == wire[1]
+        model = cp.scheme_cost("sp", batch=b, seq=seq, heads=1, head_dim=h, world_size=n)
+        assert wire[1] == model["wire"]
+        assert r["sp"]["saved"] < r["tp"]["saved"]
+
+
+# ---------------------------------------------------------------------------------------
+# bad input
+
+def _ulysses_on(rank, world_size, heads):
+    q = torch.zeros(1, heads, 4, 2, dtype=torch.float64)
+    cp.ulysses_attention(q, q, q, seq=4 * world_size)
+
+
+def _ring_on_one(rank, world_size):
+    q = torch.zeros(1, 1, 4, 2, dtype=torch.float64)
+    cp.ring_attention(q, q, q, seq=4)
+
+
+def _ring_wrong_shard(rank, world_size):
+    q = torch.zeros(1, 1, 3, 2, dtype=torch.float64)
+    cp.ring_attention(q, q, q, seq=8)
+
+
+def test_bad_input_is_refused_naming_the_argument():
+    with pytest.raises(RankError, match="divide the number of heads"):
+        run(_ulysses_on, 4, args=(2,), timeout=10)   # degree 4 > 2 heads
+    with pytest.raises(RankError, match="divide the number of heads"):
+        run(_ulysses_on, 2, args=(3,), timeout=10)   # 2 does not divide 3
+    with pytest.raises(RankError, match="world_size >= 2"):
+        run(_ring_on_one, 1, timeout=10)
+    with pytest.raises(RankError, match="q holds 3 tokens"):
+        run(_ring_wrong_shard, 2, timeout=10)
+    with pytest.raises(RankError, match="divisible by world_size"):
+        run(cp.sp_block_worker, 2, args=(7, 1, 4, 8, 0), timeout=10)
+    with pytest.raises(ValueError, match="seq=3 is shorter"):
+        cp.shard_chunks(3, 2, 0, "zigzag")
+    with pytest.raises(ValueError, match="layout"):
+        cp.shard_chunks(8, 2, 0, "spiral")
+    with pytest.raises(ValueError, match="heads"):
+        cp.scheme_cost("ulysses", batch=1, seq=8, heads=3, head_dim=2, world_size=2)
+    with pytest.raises(RuntimeError, match="initialised"):
+        cp.ring_attention(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2),
+                          torch.zeros(1, 1, 2, 2), seq=4)
+
+
+# ---------------------------------------------------------------------------------------
+# torch's experimental context_parallel
+
+def test_torch_context_parallel_has_no_cpu_attention():
+    """torch 2.13's context_parallel shards SDPA's CUDA kernels only: on CPU the attention
+    op has no sharding strategy. If this starts passing, compare it with ours on CPU."""
+    with pytest.raises(RankError, match="does not have a sharding strategy"):
+        run(cp.torch_cp_worker, 2, args=("cpu",), timeout=20)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="torch's context_parallel needs CUDA SDPA kernels; 2 GPUs (NCCL)")
+def test_torch_context_parallel_cuda_equals_full_attention():
+    errs = run(cp.torch_cp_worker, 2, args=("cuda",), timeout=60)
+    assert max(errs) < 1e-4
