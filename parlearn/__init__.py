@@ -44,6 +44,7 @@ SHORT_NAMES: dict[str, str] = {
     "batching": "multi_device.batching",
     "transformer": "multi_device.transformer",
     "memory": "multi_device.memory",
+    "moe": "multi_device.moe",
     # Part 2: beyond backprop's serial chain
     "leapfrog": "serial_chain.leapfrog",
     "multigrid": "serial_chain.multigrid",

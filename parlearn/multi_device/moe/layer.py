@@ -27,7 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from parlearn.core.checks import check_choice, check_float, check_int
-from parlearn.multi_device.moe.router import Routing, balance_loss, expert_choice, token_choice, z_loss
+from parlearn.multi_device.moe.router import (
+    Routing,
+    balance_loss,
+    expert_choice,
+    token_choice,
+    z_loss,
+)
 from parlearn.multi_device.transformer.model import GPT, GPTConfig
 
 __all__ = ["MoE", "ROUTINGS", "moe_gpt", "moe_layers", "aux_loss"]
@@ -60,7 +66,8 @@ class MoE(nn.Module):
         E, h, f = n_experts, d_model, d_ff
 
         def draw(*shape, std):
-            return nn.Parameter((torch.randn(shape, generator=g, dtype=torch.float64) * std).to(dtype))
+            w = torch.randn(shape, generator=g, dtype=torch.float64) * std
+            return nn.Parameter(w.to(dtype))
         self.router = nn.Linear(h, E, bias=False, dtype=dtype)
         with torch.no_grad():
             self.router.weight.copy_(draw(E, h, std=0.02))
@@ -81,7 +88,8 @@ class MoE(nn.Module):
         """``y`` of ``x``'s shape. Sets ``self.last``: ``balance`` and ``z`` (auxiliary losses,
         means over groups, with gradients), ``wanted`` and ``counts`` (``(E,)`` assignments
         per expert before and after capacity, summed over groups), ``dropped``
-        (assignments) and ``unrouted`` (tokens no expert computes), ``capacity`` (per expert and group)."""
+        (assignments) and ``unrouted`` (tokens no expert computes), ``capacity`` (per
+        expert and group)."""
         if x.shape[-1] != self.d_model:
             raise ValueError(f"x must end in d_model={self.d_model}, got {tuple(x.shape)}")
         tokens = x.reshape(-1, self.d_model)

@@ -39,8 +39,9 @@ __all__ = ["Routing", "capacity", "token_choice", "expert_choice", "balance_loss
 class Routing:
     """Where the ``T`` tokens of one group go. ``expert[t, j]`` is token ``t``'s ``j``-th
     expert and ``gate[t, j]`` its weight (0 where ``kept`` is False, i.e. dropped);
-    ``logits`` and ``probs`` the router's scores and softmax ``(T, E)``; ``wanted`` how many assignments each expert
-    was sent before capacity; ``capacity`` the per-expert limit (None: unlimited)."""
+    ``logits`` and ``probs`` the router's scores and softmax ``(T, E)``; ``wanted`` how
+    many assignments each expert was sent before capacity; ``capacity`` the per-expert
+    limit (None: unlimited)."""
 
     expert: torch.Tensor
     gate: torch.Tensor

@@ -64,7 +64,8 @@ def layer_worker(rank: int, world_size: int, ep: int, spec: dict) -> dict:
             "grad_experts": max(_gap(local.w_up.grad, full.w_up.grad[sl]),
                                 _gap(local.w_down.grad, full.w_down.grad[sl])),
             "ledger": {"forward": fwd.summary(), "backward": bwd.summary()},
-            "sent": local.last["sent"], "received": local.last["received"], "kept": int(local.last["counts"].sum()),
+            "sent": local.last["sent"], "received": local.last["received"],
+            "kept": int(local.last["counts"].sum()),
             "counts": local.last["counts"].tolist(), "dropped": local.last["dropped"],
             "serial_counts": full.last["counts"].tolist()}
 
