@@ -68,7 +68,7 @@ class MoE(nn.Module):
         def draw(*shape, std):
             w = torch.randn(shape, generator=g, dtype=torch.float64) * std
             return nn.Parameter(w.to(dtype))
-        self.router = nn.Linear(h, E, bias=False, dtype=dtype)
+        self.router = nn.utils.skip_init(nn.Linear, h, E, bias=False, dtype=dtype)  # no global RNG
         with torch.no_grad():
             self.router.weight.copy_(draw(E, h, std=0.02))
         self.w_up, self.w_down = draw(E, h, f, std=0.02), draw(E, f, h, std=out_std)

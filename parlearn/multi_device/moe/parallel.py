@@ -74,8 +74,8 @@ class ExpertParallelMoE(MoE):
         self.groups, self.ep_size, self.group = 1, ep_size, group
         per = full.n_experts // ep_size
         self.experts = list(range(ep_rank * per, (ep_rank + 1) * per))
-        self.router = nn.Linear(full.d_model, full.n_experts, bias=False,
-                                dtype=full.router.weight.dtype)
+        self.router = nn.utils.skip_init(nn.Linear, full.d_model, full.n_experts, bias=False,
+                                         dtype=full.router.weight.dtype)
         with torch.no_grad():
             self.router.weight.copy_(full.router.weight)
         sl = slice(self.experts[0], self.experts[-1] + 1)
