@@ -99,28 +99,32 @@ def test_building_a_moe_leaves_the_global_rng_alone():
     assert torch.equal(state, torch.get_rng_state())
 
 
-CASES = {  # (world_size, ep, capacity_factor, empty_expert)
-    "ep2": (2, 2, None, False),
-    "ep2-drops": (2, 2, 0.75, False),
-    "ep4-drops-empty-expert": (4, 4, 1.0, True),
-    "ep2xdp2": (4, 2, 1.0, False),
+CASES = {  # (world_size, ep, capacity_factor, empty_expert, routing)
+    "ep2": (2, 2, None, False, "token"),
+    "ep2-drops": (2, 2, 0.75, False, "token"),
+    "ep4-drops-empty-expert": (4, 4, 1.0, True, "token"),
+    "ep2xdp2": (4, 2, 1.0, False, "token"),
+    "ep2-expert-choice": (2, 2, 1.0, False, "expert"),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_expert_parallel_equals_single_process_forward_and_backward(case):
-    world, ep, cf, empty = CASES[case]
+    world, ep, cf, empty, routing = CASES[case]
     h, E, k, tokens = 8, 4, 2, 12
     res = moe.layer_check(world, ep, tokens=tokens, d_model=h, n_experts=E, k=k,
-                          capacity_factor=cf, empty_expert=empty, timeout=T)
+                          capacity_factor=cf, routing=routing, empty_expert=empty, timeout=T)
     for r in res:
         assert r["forward"] < 1e-15 and r["grad_x"] < 1e-15
         assert r["grad_router"] < 1e-15 and r["grad_experts"] < 1e-14
     counts = [sum(c) for c in zip(*(r["counts"] for r in res), strict=True)]
     assert counts == res[0]["serial_counts"]
-    sent = [r["sent"] for r in res]
-    assert len(set(map(tuple, sent))) > 1 or len({tuple(r["counts"]) for r in res}) > 1  # uneven
-    if cf is not None:
+    if routing == "token":  # the split sizes really are uneven
+        assert any(len(set(r["counts"])) > 1 for r in res)
+        assert any(len(set(r["sent"])) > 1 for r in res)
+    if routing == "expert":  # every expert takes exactly C = k T / E tokens of each rank
+        assert all(r["counts"] == [k * tokens // E] * E and r["dropped"] == 0 for r in res)
+    elif cf is not None:
         assert sum(r["dropped"] for r in res) > 0
     if empty:
         assert counts[-1] == 0

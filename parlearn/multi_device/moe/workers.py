@@ -36,7 +36,7 @@ def layer_worker(rank: int, world_size: int, ep: int, spec: dict) -> dict:
     T, h, E = spec["tokens"], spec["d_model"], spec["n_experts"]
     g = torch.Generator().manual_seed(spec["seed"])
     full = MoE(h, spec["d_ff"], E, spec["k"], capacity_factor=spec["capacity_factor"],
-               groups=world_size, seed=spec["seed"], dtype=torch.float64)
+               routing=spec["routing"], groups=world_size, seed=spec["seed"], dtype=torch.float64)
     x = torch.randn(world_size * T, h, generator=g, dtype=torch.float64)
     w_out = torch.randn(world_size * T, h, generator=g, dtype=torch.float64)
     if spec["empty_expert"]:  # a constant feature that the last expert's router row hates
@@ -72,22 +72,25 @@ def layer_worker(rank: int, world_size: int, ep: int, spec: dict) -> dict:
 
 def layer_check(world_size: int = 2, ep: int | None = None, *, tokens: int = 12,
                 d_model: int = 8, d_ff: int = 16, n_experts: int = 4, k: int = 2,
-                capacity_factor: float | None = None, empty_expert: bool = False,
-                balance: float = 0.1, seed: int = 0, timeout: float = 30) -> list[dict]:
+                capacity_factor: float | None = None, routing: str = "token",
+                empty_expert: bool = False, balance: float = 0.1, seed: int = 0,
+                timeout: float = 30) -> list[dict]:
     """One MoE layer forward and backward on ``world_size`` ranks, ``tokens`` per rank,
-    experts over ``ep`` of them (default all), against the single-process reference; each
-    rank's dict gives the largest differences (``forward``, ``grad_x``, ``grad_router``,
-    ``grad_experts``), its ledger summaries and the rows it sent to each EP rank."""
+    experts over ``ep`` of them (default all), ``routing`` "token" or "expert" choice, against
+    the single-process reference; each rank's dict gives the largest differences
+    (``forward``, ``grad_x``, ``grad_router``, ``grad_experts``), its ledger summaries and
+    the rows it sent to (received from) each EP rank."""
     world_size = check_int("world_size", world_size, lo=1)
     ep = world_size if ep is None else check_int("ep", ep, lo=1, hi=world_size)
     if world_size % ep:
         raise ValueError(f"ep={ep} must divide world_size={world_size}")
     if n_experts % ep:
         raise ValueError(f"n_experts={n_experts} must be divisible by the EP degree ep={ep}")
-    MoE(d_model, d_ff, n_experts, k, capacity_factor=capacity_factor)  # checks arguments
+    MoE(d_model, d_ff, n_experts, k, capacity_factor=capacity_factor, routing=routing)  # checks
     spec = {"tokens": check_int("tokens", tokens, lo=1), "d_model": d_model, "d_ff": d_ff,
             "n_experts": n_experts, "k": k, "capacity_factor": capacity_factor,
-            "empty_expert": bool(empty_expert), "balance": float(balance), "seed": seed}
+            "routing": routing, "empty_expert": bool(empty_expert), "balance": float(balance),
+            "seed": seed}
     return run(layer_worker, world_size, args=(ep, spec), timeout=timeout,
                deadline=10 * timeout)
 
