@@ -73,6 +73,7 @@ def test_expert_choice_fills_every_expert_and_never_drops():
     for e in range(4):  # each expert's tokens are its C most probable
         best = set(r.probs[:, e].topk(3).indices.tolist())
         assert set(torch.nonzero(r.kept[:, e]).flatten().tolist()) == best
+        assert torch.equal(r.gate[:, e], torch.where(r.kept[:, e], r.probs[:, e], 0.0))
 
 
 @pytest.mark.parametrize("routing,cf", [("token", None), ("token", 0.5), ("expert", 1.0)])
