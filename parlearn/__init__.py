@@ -45,6 +45,7 @@ SHORT_NAMES: dict[str, str] = {
     "transformer": "multi_device.transformer",
     "memory": "multi_device.memory",
     "context_parallel": "multi_device.context_parallel",
+    "moe": "multi_device.moe",
     # Part 2: beyond backprop's serial chain
     "leapfrog": "serial_chain.leapfrog",
     "multigrid": "serial_chain.multigrid",

@@ -1,0 +1,78 @@
+"""What an MoE layer costs: all-to-all bytes, the busiest expert, the capacity trade (modeled).
+
+All-to-all bytes of one MoE layer's forward on ``N`` EP ranks, each holding ``T`` tokens of
+width ``h`` at ``b`` bytes per element, ``k`` experts per token, nothing dropped:
+
+    payload each way per rank = T k h b            (what ``all_to_all_single`` is passed,
+                                                    rows for its own experts included)
+    wire each way per rank    = T k h b (N-1)/N    (rows that leave it, uniform routing)
+
+"Each way" is dispatch and combine; backward repeats both, so a training step moves
+``4 T k h b (N-1)/N`` per rank and layer, plus ``E`` integers of split sizes per forward.
+Under uneven routing a rank's dispatch payload is its kept assignments and its combine
+payload what its experts received: their sums over ranks are exactly ``N T k h b`` each.
+
+Imbalance: the experts of a layer run in parallel, so its step time is set by the busiest
+one. ``imbalance = max_e n_e / mean_e n_e`` (1 when balanced, ``E`` when one expert gets
+every token). With a capacity ``C`` per expert a static-shape implementation pads every
+expert to ``C`` rows: ``E C - sum_e min(n_e, C)`` rows of padding are computed for nothing,
+``sum_e max(n_e - C, 0)`` assignments are dropped, and the modeled step time is that of
+``C`` rows on every expert, against ``max_e n_e`` without a capacity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from parlearn.core.checks import check_float, check_int
+
+__all__ = ["all_to_all_bytes", "imbalance", "capacity_trade", "ep_pays"]
+
+
+def all_to_all_bytes(tokens: int, d_model: int, k: int, ep: int, element_bytes: int = 4
+                     ) -> dict[str, float]:
+    """Modeled ``{"payload", "wire"}`` bytes each way per rank, one MoE forward (module
+    docstring): ``tokens`` on the rank, ``ep`` ranks in the EP group."""
+    T, h = check_int("tokens", tokens, lo=0), check_int("d_model", d_model, lo=1)
+    k, N = check_int("k", k, lo=1), check_int("ep", ep, lo=1)
+    payload = T * k * h * check_int("element_bytes", element_bytes, lo=1)
+    return {"payload": payload, "wire": payload * (N - 1) / N}
+
+
+def imbalance(counts: Sequence[int]) -> float:
+    """``max / mean`` of the tokens per expert (1 when balanced; 1 for no tokens at all)."""
+    counts = [check_int("counts", c, lo=0) for c in counts]
+    if not counts:
+        raise ValueError("counts must name at least one expert")
+    mean = sum(counts) / len(counts)
+    return 1.0 if mean == 0 else max(counts) / mean
+
+
+def capacity_trade(wanted: Sequence[int], capacity: int | None) -> dict[str, float]:
+    """For assignments ``wanted`` per expert and a per-expert ``capacity`` (None: none):
+    ``dropped`` assignments, ``padding`` rows computed for nothing, ``rows`` the busiest
+    expert computes (its time, modeled), and ``rows_needed`` the balanced ideal
+    ``ceil(sum / E)``."""
+    wanted = [check_int("wanted", w, lo=0) for w in wanted]
+    E, total = len(wanted), sum(wanted)
+    ideal = -(-total // E) if E else 0
+    if capacity is None:
+        return {"dropped": 0, "padding": 0, "rows": max(wanted), "rows_needed": ideal}
+    C = check_int("capacity", capacity, lo=0)
+    kept = sum(min(w, C) for w in wanted)
+    return {"dropped": total - kept, "padding": E * C - kept, "rows": C, "rows_needed": ideal}
+
+
+def ep_pays(tokens: int, d_model: int, d_ff: int, k: int, ep: int, alpha: float, beta: float,
+            flops_per_s: float, element_bytes: int = 4) -> dict[str, float]:
+    """Modeled seconds of one MoE forward on a rank: the expert compute ``2 T k (2 h f)``
+    FLOPs at ``flops_per_s``, and the two all-to-alls on the pairwise schedule,
+    ``2 ((N-1) alpha + wire beta)``. Expert parallelism pays when the compute it spreads
+    is large against the all-to-all it adds (lesson 18's exercise)."""
+    check_float("alpha", alpha, lo=0)
+    check_float("beta", beta, lo=0)
+    check_float("flops_per_s", flops_per_s, lo=0, lo_open=True)
+    b = all_to_all_bytes(tokens, d_model, k, ep, element_bytes)
+    compute = 2 * tokens * k * 2 * d_model * check_int("d_ff", d_ff, lo=1) / flops_per_s
+    comm = 2 * ((ep - 1) * alpha + b["wire"] * beta)
+    return {"compute": compute, "all_to_all": comm}

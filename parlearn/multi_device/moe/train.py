@@ -1,0 +1,78 @@
+"""Train an MoE-GPT beside the dense tiny GPT at equal compute per token (lesson 18).
+
+With ``k = 1`` and experts as wide as the dense MLP, a token runs through one expert: the
+same matmul FLOPs as the dense model plus the router's ``2 h E`` per layer (counted in
+``flops_per_token``), while the MLP parameters are ``E`` times as many. The loop is
+:func:`parlearn.transformer.train`'s (AdamW, warm-up then cosine, clipping at 1) with the
+auxiliary losses added, and it records the tokens each expert got at every step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from parlearn.core.checks import check_float, check_int
+from parlearn.multi_device.moe.cost import imbalance
+from parlearn.multi_device.moe.layer import aux_loss, moe_gpt, moe_layers
+from parlearn.multi_device.transformer.corpus import CharCorpus, get_batch, pydoc_corpus
+from parlearn.multi_device.transformer.model import GPT, GPTConfig
+from parlearn.multi_device.transformer.train import evaluate, flops_per_token
+
+__all__ = ["train_moe"]
+
+
+def train_moe(cfg: GPTConfig, n_experts: int = 0, k: int = 1, *, balance: float = 0.01,
+              z: float = 0.0, capacity_factor: float | None = None, steps: int = 200,
+              batch: int = 16, lr: float = 3e-3, corpus: CharCorpus | None = None,
+              eval_every: int = 50, seed: int = 0,
+              progress: Callable[[float, str], None] | None = None) -> dict:
+    """Train the dense :class:`GPT` (``n_experts=0``) or :func:`moe_gpt` on ``corpus``
+    (default :func:`pydoc_corpus`) with loss ``cross-entropy + aux_loss(balance, z)``.
+    Returns ``{"model", "steps", "train_loss", "eval_steps", "val_loss", "counts"
+    (per step, per layer, tokens per expert after capacity), "imbalance" (per step, the
+    mean over layers of max/mean), "dropped" (per step), "params", "flops_per_token"}``."""
+    corpus = pydoc_corpus() if corpus is None else corpus
+    n_experts = check_int("n_experts", n_experts, lo=0)
+    steps, batch = check_int("steps", steps, lo=1), check_int("batch", batch, lo=1)
+    lr = check_float("lr", lr, lo=0, lo_open=True)
+    eval_every = check_int("eval_every", eval_every, lo=1)
+    model = GPT(cfg) if n_experts == 0 else moe_gpt(cfg, n_experts, k,
+                                                    capacity_factor=capacity_factor)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warm = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warm) * (
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps))))
+    g = torch.Generator().manual_seed(seed)
+    out: dict = {"steps": [], "train_loss": [], "eval_steps": [], "val_loss": [],
+                 "counts": [], "imbalance": [], "dropped": []}
+    for step in range(steps):
+        x, y = get_batch(corpus.train, batch, cfg.max_seq, g)
+        _, loss = model(x, y)
+        if n_experts:
+            loss = loss + aux_loss(model, balance, z)
+            layers = moe_layers(model)
+            counts = [m.last["counts"].tolist() for m in layers]
+            out["counts"].append(counts)
+            out["imbalance"].append(sum(imbalance(c) for c in counts) / len(counts))
+            out["dropped"].append(sum(m.last["dropped"] for m in layers))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        out["steps"].append(step + 1)
+        out["train_loss"].append(loss.item())
+        if (step + 1) % eval_every == 0 or step == steps - 1:
+            out["eval_steps"].append(step + 1)
+            out["val_loss"].append(evaluate(model, corpus.val, batch=batch, batches=4))
+            if progress is not None:
+                progress((step + 1) / steps, f"step {step + 1}/{steps}, "
+                         f"val loss {out['val_loss'][-1]:.3f}")
+    out["model"] = model.eval()
+    out["params"] = sum(p.numel() for p in model.parameters())
+    out["flops_per_token"] = flops_per_token(cfg, cfg.max_seq) + (
+        6 * cfg.n_layers * cfg.d_model * n_experts)
+    return out

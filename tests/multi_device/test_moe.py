@@ -1,0 +1,200 @@
+"""parlearn.moe: routers against brute force, the MoE layer against a per-token formula,
+expert parallelism on real gloo ranks against the single-process MoE (float64), the
+all-to-all bytes of the ledger against the model, and EP x DP training step by step.
+
+Each distributed case is one ``dist.run`` (group timeout and deadline), so a hang cannot
+stall the suite.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parlearn import moe, transformer
+
+T = 30  # group timeout (s): generous for a loaded machine
+
+
+def _logits(t=10, e=4, seed=0):
+    return torch.randn(t, e, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_token_choice_equals_brute_force(k):
+    logits = _logits(12, 5)
+    r = moe.token_choice(logits, k)
+    for t in range(12):
+        p = [math.exp(v) for v in logits[t].tolist()]
+        p = [v / sum(p) for v in p]
+        best = sorted(range(5), key=lambda e: -p[e])[:k]
+        assert r.expert[t].tolist() == best
+        assert torch.allclose(r.gate[t], torch.tensor([p[e] for e in best], dtype=torch.float64))
+    assert r.dropped() == 0 and r.kept.all()
+
+
+def test_capacity_drops_assignments_beyond_the_queue_slot_major():
+    logits = _logits(10, 4, seed=3)
+    r = moe.token_choice(logits, 2, capacity_factor=0.75)
+    cap = math.ceil(0.75 * 10 * 2 / 4)
+    assert r.capacity == cap
+    seen = [0] * 4
+    for j in range(2):  # every first choice queues before any second choice
+        for t in range(10):
+            e = int(r.expert[t, j])
+            assert bool(r.kept[t, j]) == (seen[e] < cap)
+            seen[e] += 1
+            assert (r.gate[t, j] == 0) == (not r.kept[t, j])
+    assert r.counts().tolist() == [min(s, cap) for s in seen]
+    assert r.dropped() == sum(max(s - cap, 0) for s in seen) > 0
+    assert r.wanted.tolist() == seen
+
+
+def test_balance_loss_is_its_formula_one_when_uniform_and_grows_when_collapsed():
+    r = moe.token_choice(_logits(16, 4), 1)
+    f = torch.bincount(r.expert.flatten(), minlength=4).double() / 16
+    assert torch.allclose(moe.balance_loss(r), 4 * (f * r.probs.mean(0)).sum())
+    uniform = torch.eye(4, dtype=torch.float64).repeat(4, 1) * 3.0  # each expert's own tokens
+    assert torch.allclose(moe.balance_loss(moe.token_choice(uniform, 1)),
+                          torch.tensor(1.0, dtype=torch.float64))
+    collapsed = torch.zeros(16, 4, dtype=torch.float64)
+    collapsed[:, 0] = 20.0
+    assert 3.99 < moe.balance_loss(moe.token_choice(collapsed, 1)) <= 4.0
+    logits = _logits(6, 3)
+    assert torch.allclose(moe.z_loss(logits), torch.logsumexp(logits, -1).pow(2).mean())
+
+
+def test_expert_choice_fills_every_expert_and_never_drops():
+    r = moe.expert_choice(_logits(12, 4), k=1, capacity_factor=1.0)
+    assert r.counts().tolist() == [3, 3, 3, 3] and r.dropped() == 0
+    for e in range(4):  # each expert's tokens are its C most probable
+        best = set(r.probs[:, e].topk(3).indices.tolist())
+        assert set(torch.nonzero(r.kept[:, e]).flatten().tolist()) == best
+        assert torch.equal(r.gate[:, e], torch.where(r.kept[:, e], r.probs[:, e], 0.0))
+
+
+@pytest.mark.parametrize("routing,cf", [("token", None), ("token", 0.5), ("expert", 1.0)])
+def test_layer_equals_the_per_token_formula(routing, cf):
+    layer = moe.MoE(6, 10, 4, 2, capacity_factor=cf, routing=routing, groups=2,
+                    dtype=torch.float64)
+    x = torch.randn(2, 6, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y = layer(x)
+    want = torch.zeros(12, 6, dtype=torch.float64)
+    for part, rows in zip(x.reshape(12, 6).chunk(2), (range(6), range(6, 12)), strict=True):
+        r = layer.route(part)
+        for t, row in enumerate(rows):
+            for j in range(r.expert.shape[1]):
+                e = int(r.expert[t, j])
+                h = F.gelu(part[t] @ layer.w_up[e]) @ layer.w_down[e]
+                want[row] += r.gate[t, j] * h
+    torch.testing.assert_close(y.reshape(12, 6), want, rtol=0, atol=1e-15)
+
+
+def test_building_a_moe_leaves_the_global_rng_alone():
+    state = torch.get_rng_state()
+    moe.moe_gpt(transformer.GPTConfig(vocab_size=10, d_model=8, n_heads=2, n_layers=1,
+                                      max_seq=4), 4)
+    assert torch.equal(state, torch.get_rng_state())
+
+
+CASES = {  # (world_size, ep, capacity_factor, empty_expert, routing)
+    "ep2": (2, 2, None, False, "token"),
+    "ep2-drops": (2, 2, 0.75, False, "token"),
+    "ep4-drops-empty-expert": (4, 4, 1.0, True, "token"),
+    "ep2xdp2": (4, 2, 1.0, False, "token"),
+    "ep2-expert-choice": (2, 2, 1.0, False, "expert"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_expert_parallel_equals_single_process_forward_and_backward(case):
+    world, ep, cf, empty, routing = CASES[case]
+    h, E, k, tokens = 8, 4, 2, 12
+    res = moe.layer_check(world, ep, tokens=tokens, d_model=h, n_experts=E, k=k,
+                          capacity_factor=cf, routing=routing, empty_expert=empty, timeout=T)
+    for r in res:
+        assert r["forward"] < 1e-15 and r["grad_x"] < 1e-15
+        assert r["grad_router"] < 1e-15 and r["grad_experts"] < 1e-14
+    counts = [sum(c) for c in zip(*(r["counts"] for r in res), strict=True)]
+    assert counts == res[0]["serial_counts"]
+    if routing == "token":  # the split sizes really are uneven
+        assert any(len(set(r["counts"])) > 1 for r in res)
+        assert any(len(set(r["sent"])) > 1 for r in res)
+    if routing == "expert":  # every expert takes exactly C = k T / E tokens of each rank
+        assert all(r["counts"] == [k * tokens // E] * E and r["dropped"] == 0 for r in res)
+    elif cf is not None:
+        assert sum(r["dropped"] for r in res) > 0
+    if empty:
+        assert counts[-1] == 0
+    # Ledger: dispatch payload = rows this rank sends, combine = rows its experts received,
+    # plus E int64 split sizes forward; backward is the same two without the sizes.
+    for r in res:
+        rows = (sum(r["sent"]) + sum(r["received"])) * h * 8
+        assert r["ledger"]["forward"]["all_to_all_single"][:2] == (3, E * 8 + rows)
+        assert r["ledger"]["backward"]["all_to_all_single"][:2] == (2, rows)
+        assert sum(r["sent"]) == r["kept"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_to_all_bytes_from_the_ledger_equal_the_model(world):
+    h, E, k, tokens = 8, 4, 2, 12
+    res = moe.layer_check(world, tokens=tokens, d_model=h, n_experts=E, k=k, timeout=T)
+    model = moe.all_to_all_bytes(tokens, h, k, world, element_bytes=8)
+    dispatched = sum(sum(r["sent"]) for r in res) * h * 8
+    combined = sum(sum(r["received"]) for r in res) * h * 8
+    assert dispatched == combined == world * model["payload"]
+    measured = sum(r["ledger"]["forward"]["all_to_all_single"][1] - E * 8 for r in res)
+    assert measured == 2 * world * model["payload"]
+    # Wire: rows that leave their rank, against (N-1)/N of the payload under uniform routing.
+    wire = sum(sum(s for j, s in enumerate(r["sent"]) if j != i) for i, r in enumerate(res))
+    assert 0 < wire * h * 8 <= world * model["payload"]
+
+
+def test_ep_x_dp_training_equals_single_process_step_by_step():
+    res = moe.train_check(4, 2, steps=3, capacity_factor=1.0, timeout=60)
+    for r in res:
+        for ref, got in r["losses"]:
+            assert abs(ref - got) < 1e-12
+        assert r["weights"] < 1e-12
+    assert res[0]["losses"][0] != res[0]["losses"][-1]
+
+
+def test_bad_input_is_refused_naming_the_argument():
+    with pytest.raises(ValueError, match="k=5"):
+        moe.token_choice(_logits(4, 4), 5)
+    with pytest.raises(ValueError, match="k=5"):
+        moe.MoE(4, 8, 4, 5)
+    with pytest.raises(ValueError, match="capacity_factor"):
+        moe.MoE(4, 8, 4, 1, capacity_factor=0)
+    with pytest.raises(ValueError, match="capacity_factor"):
+        moe.token_choice(_logits(4, 4), 1, capacity_factor=-1.0)
+    with pytest.raises(ValueError, match="divisible by the EP degree"):
+        moe.ExpertParallelMoE(moe.MoE(4, 8, 6, 1), 0, 4)
+    with pytest.raises(ValueError, match="divisible by the EP degree"):
+        moe.layer_check(4, 4, n_experts=6)
+    with pytest.raises(ValueError, match="groups=3"):
+        moe.MoE(4, 8, 4, groups=3)(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="routing"):
+        moe.MoE(4, 8, 4, routing="random")
+
+
+def test_cost_model():
+    assert moe.all_to_all_bytes(10, 8, 2, 4) == {"payload": 640, "wire": 480.0}
+    assert moe.imbalance([4, 4, 4, 4]) == 1.0 and moe.imbalance([16, 0, 0, 0]) == 4.0
+    trade = moe.capacity_trade([6, 2, 0, 4], 3)
+    assert trade == {"dropped": 4, "padding": 4, "rows": 3, "rows_needed": 3}
+    assert moe.capacity_trade([6, 2, 0, 4], None)["rows"] == 6
+
+
+def test_moe_gpt_trains_and_costs_what_the_dense_one_does_plus_the_router():
+    cfg = transformer.GPTConfig(vocab_size=transformer.pydoc_corpus().vocab_size, d_model=16,
+                                n_heads=2, n_layers=1, max_seq=16)
+    dense = moe.train_moe(cfg, 0, steps=3, batch=4, eval_every=3)
+    sparse = moe.train_moe(cfg, 4, steps=3, batch=4, eval_every=3)
+    assert sparse["flops_per_token"] - dense["flops_per_token"] == 6 * 16 * 4
+    mlp = transformer.count_params(cfg)["mlp"]
+    assert sparse["params"] - dense["params"] == 3 * mlp + 16 * 4
+    assert len(sparse["counts"]) == 3 and sum(sparse["counts"][0][0]) == 4 * 16
