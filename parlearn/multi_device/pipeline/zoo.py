@@ -1,4 +1,4 @@
-"""The schedule zoo: interleaved 1F1B, ZB-H2, ZB-V and DualPipe-V as :class:`Schedule` objects.
+"""The schedule zoo: interleaved 1F1B, ZB-H2 and ZB-V as :class:`Schedule` objects.
 
 Each builder returns the one schedule object of
 :mod:`parlearn.multi_device.pipeline.schedules`: the op list of every rank, and where its
@@ -20,10 +20,12 @@ ranks (:func:`parlearn.multi_device.pipeline.virtual.run_schedule`).
   rank ``r`` holding virtual stages ``r`` and ``2P-1-r``, so the forward goes down the
   ranks and back up and the loss is on rank 0. At most ``2P`` chunk activations (``P``
   whole stages, 1F1B's memory) in flight per rank.
-- ``"dualpipe-v"``: RECONSTRUCTION of DeepSeek's DualPipe-V (2025), see
-  :func:`_dualpipe_v`.
 
-The zero-bubble schedules and DualPipe-V are ours: list scheduling at unit cost with the
+DeepSeek's DualPipe-V is not here: marking ZB-V's adjacent F, B pairs as overlapped F&B ops
+(our first reconstruction) made the simulated step longer, not shorter (a fused pair waits
+for both its inputs), so it did not reproduce DeepSeek's ``(P/2-1)(F&B + B - 3W)``.
+
+The zero-bubble schedules are ours: list scheduling at unit cost with the
 priorities each paper describes (see :func:`_greedy`), not copied from the papers' figures
 or code. :func:`bubble_table` gives each paper's bubble formula.
 """
@@ -35,7 +37,7 @@ from parlearn.multi_device.pipeline.schedules import Op, Schedule, schedule
 
 __all__ = ["ZOO", "zoo_schedule", "validate", "paper_bubble", "in_flight_formula"]
 
-ZOO = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipe-v")
+ZOO = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
 
 
 # ---------------------------------------------------------------------------------------
@@ -61,26 +63,21 @@ def _interleaved(stages: int, m: int, v: int) -> Schedule:
 
 
 # ---------------------------------------------------------------------------------------
-# List scheduling at unit cost: ZB-H2, ZB-V and the DualPipe-V reconstruction.
+# List scheduling at unit cost: ZB-H2 and ZB-V.
 
-def _greedy(stages: int, m: int, chunks: int, placement: str, caps: list[int], kind: str,
-            pair: bool = False) -> Schedule:
+def _greedy(stages: int, m: int, chunks: int, placement: str, caps: list[int], kind: str) -> Schedule:
     """Every time step (unit cost per op of a chunk, free communication) each rank that is
     free runs the first ready op by priority:
 
     1. ``B`` of the latest virtual stage ready (it unblocks the rank before);
     2. ``F`` if fewer than ``caps[r]`` chunk activations are held (from F until W), the
        latest virtual stage first (it brings a micro-batch to the loss sooner);
-    3. ``W`` (nobody waits for it, so it fills what would be idle).
-
-    With ``pair`` (DualPipe-V), a rank that has both an ``F`` and a ``B`` ready runs them as
-    one overlapped F&B op (marked in the schedule's ``overlap``), which takes one step."""
+    3. ``W`` (nobody waits for it, so it fills what would be idle)."""
     sched = Schedule([[] for _ in range(stages)], kind, stages, m, chunks, placement)
     last = stages * chunks - 1
     end: dict[tuple[str, int, int], int] = {}
     nxt = {(k, r, c): 0 for k in "FBW" for r in range(stages) for c in range(chunks)}
     held = [0] * stages
-    overlap = []
     t = 0
 
     def ready(kind_: str, r: int, c: int) -> int | None:
@@ -101,12 +98,7 @@ def _greedy(stages: int, m: int, chunks: int, placement: str, caps: list[int], k
                       and (i := ready("F", r, c)) is not None), None)
             w = next(((c, i) for c in range(chunks) if (i := ready("W", r, c)) is not None),
                      None)
-            todo = [("B", *b)] if b else []
-            if pair and b and f:
-                overlap.append((r, len(sched[r])))
-                todo = [("F", *f), ("B", *b)]
-            elif not b:
-                todo = [("F", *f)] if f else [("W", *w)] if w else []
+            todo = [("B", *b)] if b else [("F", *f)] if f else [("W", *w)] if w else []
             for kind_, c, i in todo:
                 sched[r].append(Op(kind_, i, c))
                 end[(kind_, sched.stage_of(r, c), i)] = t + 1
@@ -115,26 +107,14 @@ def _greedy(stages: int, m: int, chunks: int, placement: str, caps: list[int], k
         t += 1
         if t > 100 * (m * chunks * 3 + stages):
             raise AssertionError("list scheduling made no progress")   # cannot happen
-    sched.overlap = frozenset(overlap)
     return sched
-
-
-def _dualpipe_v(stages: int, m: int) -> Schedule:
-    """RECONSTRUCTION (our own reading of DeepSeek's DualPipe-V, the "cut-in-half" DualPipe
-    of the DualPipe repository, 2025; not its code). The V placement of ZB-V, two chunks
-    per rank; wherever a rank has a forward of one micro-batch and a backward of another
-    ready, it runs them as one overlapped F&B op (in DeepSeek's training the forward's
-    communication hides behind the backward's compute, which depends on the model; here
-    the pair is just ``cost_fb`` in the simulator and F then B on the real ranks, with our
-    blocking send/recv), and the W's fill the drain. Same memory cap as ZB-V."""
-    return _greedy(stages, m, 2, "v", [2 * stages] * stages, "dualpipe-v", pair=True)
 
 
 def zoo_schedule(kind: str, stages: int, micro_batches: int, v: int = 2) -> Schedule:
     """The schedule ``kind`` (one of :data:`ZOO`) for ``stages`` ranks and ``micro_batches``
     micro-batches; ``v`` is the chunks per rank of ``"interleaved"`` (``v = 1`` is 1F1B).
     ``"zb-h1"`` is :func:`schedule` ``("zb", ...)``. Refuses an ``"interleaved"`` M that is
-    not a multiple of P, and ``"dualpipe-v"`` with an odd or too small M."""
+    not a multiple of P."""
     check_choice("kind", kind, ZOO)
     stages = check_int("stages", stages, lo=1)
     m = check_int("micro_batches", micro_batches, lo=1)
@@ -152,9 +132,7 @@ def zoo_schedule(kind: str, stages: int, micro_batches: int, v: int = 2) -> Sche
         return _interleaved(stages, m, v)
     if kind == "zb-h2":
         return _greedy(stages, m, 1, "loop", [2 * stages - 1] * stages, "zb-h2")
-    if kind == "zb-v":
-        return _greedy(stages, m, 2, "v", [2 * stages] * stages, "zb-v")
-    return _dualpipe_v(stages, m)
+    return _greedy(stages, m, 2, "v", [2 * stages] * stages, "zb-v")
 
 
 # ---------------------------------------------------------------------------------------
@@ -190,16 +168,14 @@ def validate(sched: Schedule) -> list[int]:
     return peaks
 
 
-def paper_bubble(kind: str, stages: int, micro_batches: int = 1, v: int = 1,
-                 t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0,
-                 t_fb: float | None = None) -> float:
+def paper_bubble(kind: str, stages: int, v: int = 1, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0) -> float:
     """Each paper's bubble, in time units of one rank's whole stage (``t_b`` the input
     gradient, ``t_w`` the weight gradient; a non-split schedule's backward is
     ``t_b + t_w``): 1F1B and GPipe ``(P-1)(T_F+T_B+T_W)``, interleaved ``/v`` of that,
     ZB-H1 ``(P-1)(T_F+T_B-T_W)``, ZB-H2 ``(P-1)(T_F+T_B-2T_W)`` (Qi et al. 2024, Table 1,
-    the idle time of a stage between its first and last op), DualPipe-V
-    ``(P/2-1)(T_{F&B} + T_B - 3T_W)`` (DeepSeek's table, with chunk costs: a chunk is half
-    a stage), ZB-V about 0 (the paper: "nearly zero" at equal costs)."""
+    the idle time of a stage between its first and last op), ZB-V about 0 (the paper:
+    "nearly zero" at equal costs; our list-scheduled ZB-V does not reach it, see the
+    lesson)."""
     check_choice("kind", kind, ZOO)
     p = check_int("stages", stages, lo=1)
     full = (p - 1) * (t_f + t_b + t_w)
@@ -211,23 +187,20 @@ def paper_bubble(kind: str, stages: int, micro_batches: int = 1, v: int = 1,
         return (p - 1) * (t_f + t_b - t_w)
     if kind == "zb-h2":
         return (p - 1) * (t_f + t_b - 2 * t_w)
-    if kind == "zb-v":
-        return 0.0
-    fb = (t_f + t_b) / 2 if t_fb is None else t_fb
-    return (p / 2 - 1) * (fb + t_b / 2 - 3 * t_w / 2)
+    return 0.0
 
 
 def in_flight_formula(kind: str, stages: int, micro_batches: int, v: int = 2) -> float:
     """The peak activations held by rank 0 in whole-stage units: GPipe ``M``, 1F1B ``P``,
     interleaved ``P + (P-1)/v`` (its deeper warm-up: ``2(P-1) + (v-1)P + 1`` chunks of
     ``1/v``), ZB-H2 ``2P-1``, our list-scheduled ZB-H1 ``2P-1`` too (``P`` awaiting B plus up
-    to ``P-1`` awaiting W; the paper's hand-built ZB-H1 keeps 1F1B's ``P``), ZB-V and
-    DualPipe-V ``P`` (all capped at ``M``)."""
+    to ``P-1`` awaiting W; the paper's hand-built ZB-H1 keeps 1F1B's ``P``), ZB-V ``P``
+    (all capped at ``M``)."""
     check_choice("kind", kind, ZOO)
     p, m = check_int("stages", stages, lo=1), check_int("micro_batches", micro_batches, lo=1)
     if kind == "gpipe":
         return float(m)
-    if kind in ("1f1b", "zb-v", "dualpipe-v"):
+    if kind in ("1f1b", "zb-v"):
         return float(min(p, m))
     if kind == "zb-h2":
         return float(min(2 * p - 1, m))
