@@ -65,7 +65,8 @@ def _interleaved(stages: int, m: int, v: int) -> Schedule:
 # ---------------------------------------------------------------------------------------
 # List scheduling at unit cost: ZB-H2 and ZB-V.
 
-def _greedy(stages: int, m: int, chunks: int, placement: str, caps: list[int], kind: str) -> Schedule:
+def _greedy(stages: int, m: int, chunks: int, placement: str, caps: list[int],
+            kind: str) -> Schedule:
     """Every time step (unit cost per op of a chunk, free communication) each rank that is
     free runs the first ready op by priority:
 
@@ -168,7 +169,8 @@ def validate(sched: Schedule) -> list[int]:
     return peaks
 
 
-def paper_bubble(kind: str, stages: int, v: int = 1, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0) -> float:
+def paper_bubble(kind: str, stages: int, v: int = 1, t_f: float = 1.0, t_b: float = 1.0,
+                 t_w: float = 1.0) -> float:
     """Each paper's bubble, in time units of one rank's whole stage (``t_b`` the input
     gradient, ``t_w`` the weight gradient; a non-split schedule's backward is
     ``t_b + t_w``): 1F1B and GPipe ``(P-1)(T_F+T_B+T_W)``, interleaved ``/v`` of that,
