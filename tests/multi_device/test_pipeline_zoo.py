@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from parlearn.multi_device import pipeline as pl
+from parlearn.multi_device.pipeline.torch_pipeline import TORCH_ZOO, run_torch_zoo
 from parlearn.multi_device.pipeline.virtual import run_schedule
 from parlearn.multi_device.pipeline.zoo import (
     ZOO,
@@ -152,3 +153,25 @@ def test_every_schedule_equals_single_process(stages):
         assert err < 1e-12, case
         assert run.ops == [[str(op) for op in ops] for ops in sched], case
         assert 0.0 <= run.bubble < 1.0
+
+
+# --- torch's multi-stage schedules beside ours (torch 2.13 runs them on gloo, CPU) -------
+
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("name", sorted(TORCH_ZOO))
+def test_torch_schedules_equal_ours(name, stages):
+    model = pl.make_model(WIDTHS, seed=1)
+    x, y = pl.make_data(model, N, seed=2)
+    ref = pl.reference_grads(model, x, y)
+    ours = {"interleaved": zoo_schedule("interleaved", stages, 2 * stages, 2),
+            "interleaved-zb": zoo_schedule("interleaved", stages, 2 * stages, 2),
+            "zb-v": zoo_schedule("zb-v", stages, 2 * stages),
+            "dualpipe-v": zoo_schedule("zb-v", stages, 2 * stages)}[name]
+    mine = run_schedule(ours, model, x, y, timeout=30).grads
+    # torch's DualPipeV wants M >= 2P (its stage count); the others M a multiple of P.
+    ms = [2 * stages] if name == "dualpipe-v" else [stages, 2 * stages]
+    for grads in run_torch_zoo(name, model, x, y, stages, ms, timeout=30):
+        assert len(grads) == len(ref)
+        for a, b, c in zip(grads, mine, ref, strict=True):
+            assert (a - b).abs().max().item() < 1e-12
+            assert (a - c).abs().max().item() < 1e-12

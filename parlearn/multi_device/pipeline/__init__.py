@@ -25,7 +25,8 @@ module              what it holds
                     (:func:`zoo_schedule`), :func:`validate`, the papers' bubbles
 ``virtual``         any :class:`Schedule` (chunks, V placement) on real gloo ranks
                     (:func:`run_schedule`)
-``torch_pipeline``  the same stages through ``torch.distributed.pipelining``
+``torch_pipeline``  the same stages through ``torch.distributed.pipelining``, and its
+                    interleaved, ZB-V and DualPipe-V schedules (:func:`run_torch_zoo`)
 ``hydra``           several models interleaved through one pipeline (Hydra)
 ==================  ==================================================================
 
@@ -62,7 +63,12 @@ from parlearn.multi_device.pipeline.schedules import (
     schedule,
 )
 from parlearn.multi_device.pipeline.simulator import Simulation, simulate, simulate_bidirectional
-from parlearn.multi_device.pipeline.torch_pipeline import TORCH_SCHEDULES, run_torch_pipeline
+from parlearn.multi_device.pipeline.torch_pipeline import (
+    TORCH_SCHEDULES,
+    TORCH_ZOO,
+    run_torch_pipeline,
+    run_torch_zoo,
+)
 from parlearn.multi_device.pipeline.virtual import run_schedule
 from parlearn.multi_device.pipeline.zoo import (
     ZOO,
@@ -79,4 +85,4 @@ __all__ = ["SCHEDULES", "Op", "schedule", "bubble_formula", "Simulation", "simul
            "partition_equal", "partition_balanced", "stage_costs", "layer_costs",
            "hydra_schedule", "hydra_train", "hydra_reference", "simulate_bidirectional",
            "bench", "Schedule", "ZOO", "zoo_schedule", "validate", "paper_bubble",
-           "in_flight_formula", "run_schedule"]
+           "in_flight_formula", "run_schedule", "TORCH_ZOO", "run_torch_zoo"]
