@@ -108,8 +108,9 @@ def test_zero_bubble_rates_at_equal_costs(stages):
         assert one == pytest.approx(paper_bubble("1f1b", stages)) == 3 * (stages - 1)
         assert h1 == pytest.approx(paper_bubble("zb-h1", stages)) == stages - 1
         assert h2 == pytest.approx(paper_bubble("zb-h2", stages)) == 0
-        # Ours is list-scheduled: below ZB-H1, not the paper's ~0 (see zoo's docstring).
-        assert zbv < h1 or stages == 2
+        # Ours is list-scheduled: about half ZB-H1's, not the paper's ~0 (zoo's docstring).
+        assert zbv < h1 and zbv <= stages / 2
+        assert zbv == pytest.approx(paper_bubble("zb-h1", stages) / 2) or stages % 2
 
 
 def test_p2p_messages():
