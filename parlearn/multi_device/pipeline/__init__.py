@@ -26,7 +26,8 @@ module              what it holds
 ``virtual``         any :class:`Schedule` (chunks, V placement) on real gloo ranks
                     (:func:`run_schedule`)
 ``torch_pipeline``  the same stages through ``torch.distributed.pipelining``, and its
-                    interleaved, ZB-V and DualPipe-V schedules (:func:`run_torch_zoo`)
+                    interleaved, ZB-V and DualPipe-V schedules (:func:`run_torch_zoo`);
+                    torch's DualPipe-V order as our Schedule (:func:`dualpipe_v_order`)
 ``hydra``           several models interleaved through one pipeline (Hydra)
 ==================  ==================================================================
 
@@ -66,6 +67,7 @@ from parlearn.multi_device.pipeline.simulator import Simulation, simulate, simul
 from parlearn.multi_device.pipeline.torch_pipeline import (
     TORCH_SCHEDULES,
     TORCH_ZOO,
+    dualpipe_v_order,
     run_torch_pipeline,
     run_torch_zoo,
 )
@@ -85,4 +87,5 @@ __all__ = ["SCHEDULES", "Op", "schedule", "bubble_formula", "Simulation", "simul
            "partition_equal", "partition_balanced", "stage_costs", "layer_costs",
            "hydra_schedule", "hydra_train", "hydra_reference", "simulate_bidirectional",
            "bench", "Schedule", "ZOO", "zoo_schedule", "validate", "paper_bubble",
-           "in_flight_formula", "run_schedule", "TORCH_ZOO", "run_torch_zoo"]
+           "in_flight_formula", "run_schedule", "TORCH_ZOO", "run_torch_zoo",
+           "dualpipe_v_order"]

@@ -23,7 +23,8 @@ from parlearn.multi_device.pipeline.runtime import (
 )
 from parlearn.multi_device.pipeline.schedules import SCHEDULES
 
-__all__ = ["TORCH_SCHEDULES", "run_torch_pipeline", "TORCH_ZOO", "run_torch_zoo"]
+__all__ = ["TORCH_SCHEDULES", "run_torch_pipeline", "TORCH_ZOO", "run_torch_zoo",
+           "dualpipe_v_order"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -139,3 +140,46 @@ def run_torch_zoo(name: str, model: nn.Sequential, x: torch.Tensor, y: torch.Ten
         by_stage = {g: gr for r in per_rank for g, gr in r[i].items()}
         grads.append([g for k in sorted(by_stage) for g in by_stage[k]])
     return grads[0] if single else grads
+
+
+def dualpipe_v_order(stages: int, micro_batches: int):
+    """Torch's DualPipe-V order (``ScheduleDualPipeV``, after DeepSeek's DualPipe repository)
+    as our :class:`parlearn.multi_device.pipeline.schedules.Schedule`, so that our
+    simulator times it and our ranks execute it: torch's ``F``, ``I`` (input gradient) and
+    ``W`` become our ``F``, ``B`` and ``W``; its full backward ``B`` our ``B`` then ``W``; its
+    ``OVERLAP_F_B`` our ``F`` and ``B`` marked as one overlapped F&B pair (the schedule's
+    ``overlap``), whose ``W`` follows. It reads a private torch method (torch 2.13), so it
+    may break with another torch. Needs ``micro_batches >= 2 * stages``."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV
+
+    from parlearn.core.checks import check_int
+    from parlearn.multi_device.pipeline.schedules import Op, Schedule
+
+    p, m = check_int("stages", stages, lo=1), check_int("micro_batches", micro_batches, lo=1)
+    if m < 2 * p:
+        raise ValueError(f"micro_batches must be at least 2 * stages = {2 * p} for "
+                         f"DualPipe-V, got {m}")
+    fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m)
+    orders, overlap = [], []
+    for r in range(p):
+        ops: list = []
+
+        def add(action, r=r, ops=ops):
+            chunk, kind, mb = int(action.stage_index != r), action.computation_type.value, \
+                action.microbatch_index
+            ours = {"F": ["F"], "I": ["B"], "W": ["W"], "B": ["B", "W"]}[kind]
+            ops.extend(Op(k, mb, chunk) for k in ours)
+
+        for action in ScheduleDualPipeV._calculate_single_rank_operations(fake, r):
+            if action is None:
+                continue
+            if action.sub_actions:
+                overlap.append((r, len(ops)))
+                for sub in action.sub_actions:
+                    add(sub)
+            else:
+                add(action)
+        orders.append(ops)
+    return Schedule(orders, "dualpipe-v", p, m, chunks=2, placement="v", overlap=overlap)
