@@ -23,13 +23,15 @@ ranks (:func:`parlearn.multi_device.pipeline.virtual.run_schedule`).
   its hand-built order; our list-scheduled one leaves about half of ZB-H1's, ``(P-1)/2``
   stage slots at equal costs for even ``P`` (tested), not zero.
 
-DeepSeek's DualPipe-V is not here: marking ZB-V's adjacent F, B pairs as overlapped F&B ops
-(our first reconstruction) made the simulated step longer, not shorter (a fused pair waits
-for both its inputs), so it did not reproduce DeepSeek's ``(P/2-1)(F&B + B - 3W)``.
+DeepSeek's DualPipe-V is not built here: marking ZB-V's adjacent F, B pairs as overlapped
+F&B ops (our first reconstruction) made the simulated step longer, not shorter (a fused pair
+waits for both its inputs), so it did not reproduce DeepSeek's ``(P/2-1)(F&B + B - 3W)``.
+:func:`parlearn.multi_device.pipeline.torch_pipeline.dualpipe_v_order` imports torch's
+DualPipe-V order into a :class:`Schedule` instead.
 
 The zero-bubble schedules are ours: list scheduling at unit cost with the
 priorities each paper describes (see :func:`_greedy`), not copied from the papers' figures
-or code. :func:`bubble_table` gives each paper's bubble formula.
+or code. :func:`paper_bubble` gives each paper's bubble formula.
 """
 
 from __future__ import annotations
