@@ -21,7 +21,13 @@ module              what it holds
                     measured layer costs (LAMP)
 ``runtime``         the model and the single-process reference, the stages on real gloo
                     ranks (:func:`run_pipeline`), the measured bubble, the bench rows
-``torch_pipeline``  the same stages through ``torch.distributed.pipelining``
+``zoo``             interleaved 1F1B, ZB-H2 and ZB-V as :class:`Schedule` objects
+                    (:func:`zoo_schedule`), :func:`validate`, the papers' bubbles
+``virtual``         any :class:`Schedule` (chunks, V placement) on real gloo ranks
+                    (:func:`run_schedule`)
+``torch_pipeline``  the same stages through ``torch.distributed.pipelining``, and its
+                    interleaved, ZB-V and DualPipe-V schedules (:func:`run_torch_zoo`);
+                    torch's DualPipe-V order as our Schedule (:func:`dualpipe_v_order`)
 ``hydra``           several models interleaved through one pipeline (Hydra)
 ==================  ==================================================================
 
@@ -50,9 +56,29 @@ from parlearn.multi_device.pipeline.runtime import (
     run_pipeline,
     stage_op_costs,
 )
-from parlearn.multi_device.pipeline.schedules import SCHEDULES, Op, bubble_formula, schedule
+from parlearn.multi_device.pipeline.schedules import (
+    SCHEDULES,
+    Op,
+    Schedule,
+    bubble_formula,
+    schedule,
+)
 from parlearn.multi_device.pipeline.simulator import Simulation, simulate, simulate_bidirectional
-from parlearn.multi_device.pipeline.torch_pipeline import TORCH_SCHEDULES, run_torch_pipeline
+from parlearn.multi_device.pipeline.torch_pipeline import (
+    TORCH_SCHEDULES,
+    TORCH_ZOO,
+    dualpipe_v_order,
+    run_torch_pipeline,
+    run_torch_zoo,
+)
+from parlearn.multi_device.pipeline.virtual import run_schedule
+from parlearn.multi_device.pipeline.zoo import (
+    ZOO,
+    in_flight_formula,
+    paper_bubble,
+    validate,
+    zoo_schedule,
+)
 
 __all__ = ["SCHEDULES", "Op", "schedule", "bubble_formula", "Simulation", "simulate",
            "make_model", "make_data", "split_layers", "reference_grads", "PipelineRun",
@@ -60,4 +86,6 @@ __all__ = ["SCHEDULES", "Op", "schedule", "bubble_formula", "Simulation", "simul
            "run_torch_pipeline",
            "partition_equal", "partition_balanced", "stage_costs", "layer_costs",
            "hydra_schedule", "hydra_train", "hydra_reference", "simulate_bidirectional",
-           "bench"]
+           "bench", "Schedule", "ZOO", "zoo_schedule", "validate", "paper_bubble",
+           "in_flight_formula", "run_schedule", "TORCH_ZOO", "run_torch_zoo",
+           "dualpipe_v_order"]

@@ -27,22 +27,69 @@ from typing import NamedTuple
 
 from parlearn.core.checks import check_choice, check_int
 
-__all__ = ["SCHEDULES", "Op", "schedule", "bubble_formula"]
+__all__ = ["SCHEDULES", "PLACEMENTS", "Op", "Schedule", "schedule", "bubble_formula"]
 
 
 SCHEDULES = ("gpipe", "1f1b", "zb")
 
 
 class Op(NamedTuple):
-    """One operation of a rank: ``kind`` is ``"F"`` (forward), ``"B"`` (backward; in
-    ``"zb"`` only its input-gradient part) or ``"W"`` (weight gradient, ``"zb"`` only);
-    ``mb`` is the micro-batch."""
+    """One operation of a rank: ``kind`` is ``"F"`` (forward), ``"B"`` (backward; in the
+    zero-bubble schedules only its input-gradient part) or ``"W"`` (weight gradient, those
+    schedules only); ``mb`` is the micro-batch; ``chunk`` which of the rank's model chunks
+    (virtual stages, :class:`Schedule`) it runs, 0 when a rank holds one stage."""
 
     kind: str
     mb: int
+    chunk: int = 0
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.mb}"
+        return f"{self.kind}{self.mb}" + (f"c{self.chunk}" if self.chunk else "")
+
+
+PLACEMENTS = ("loop", "v")
+
+
+class Schedule(list):
+    """The one schedule object: a list with one list of :class:`Op` per rank (what the
+    ranks execute and :func:`parlearn.multi_device.pipeline.simulator.simulate` times), and
+    where each rank's chunks sit in the model. The model is cut into ``stages * chunks``
+    virtual stages; chunk ``c`` of rank ``r`` is virtual stage :meth:`stage_of` ``(r, c)``:
+    ``"loop"`` places them round-robin (``c P + r``, Megatron's interleaving), ``"v"``
+    (``chunks == 2``) down then back up (``r``, then ``2P-1-r``: the last stage, and the
+    loss, sit on rank 0). ``overlap`` holds ``(rank, i)`` where ops ``i`` and ``i+1`` (an F
+    and a B of other micro-batches) form one overlapped F&B pair (DualPipe-V)."""
+
+    def __init__(self, orders, kind: str, stages: int, micro_batches: int, chunks: int = 1,
+                 placement: str = "loop", overlap=()):
+        super().__init__([list(ops) for ops in orders])
+        self.kind, self.stages, self.micro_batches = kind, stages, micro_batches
+        self.chunks = check_int("chunks", chunks, lo=1)
+        self.placement = check_choice("placement", placement, PLACEMENTS)
+        if placement == "v" and chunks != 2:
+            raise ValueError(f"chunks must be 2 for the V placement, got {chunks}")
+        self.overlap = frozenset(overlap)
+
+    @property
+    def split(self) -> bool:
+        """Whether backward is split into B (input gradient) and W (weight gradient)."""
+        return any(op.kind == "W" for ops in self for op in ops)
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.stages * self.chunks
+
+    def stage_of(self, rank: int, chunk: int) -> int:
+        """The virtual stage that chunk ``chunk`` of rank ``rank`` holds."""
+        if self.placement == "v" and chunk == 1:
+            return 2 * self.stages - 1 - rank
+        return chunk * self.stages + rank
+
+    def where(self, stage: int) -> tuple[int, int]:
+        """``(rank, chunk)`` holding virtual stage ``stage``."""
+        if self.placement == "v" and stage >= self.stages:
+            return 2 * self.stages - 1 - stage, 1
+        return stage % self.stages, stage // self.stages
 
 
 # ---------------------------------------------------------------------------------------
@@ -104,16 +151,18 @@ def _zero_bubble(stages: int, m: int) -> list[list[Op]]:
     return orders
 
 
-def schedule(kind: str, stages: int, micro_batches: int) -> list[list[Op]]:
+def schedule(kind: str, stages: int, micro_batches: int) -> Schedule:
     """The order of operations of each rank: ``schedule(kind, P, M)[s]`` is stage ``s``'s
-    list of :class:`Op`. ``kind`` is one of :data:`SCHEDULES`."""
+    list of :class:`Op`. ``kind`` is one of :data:`SCHEDULES` (the schedules with virtual
+    stages are :func:`parlearn.multi_device.pipeline.zoo.zoo_schedule`)."""
     check_choice("kind", kind, SCHEDULES)
     stages = check_int("stages", stages, lo=1)
     micro_batches = check_int("micro_batches", micro_batches, lo=1)
     if kind == "zb":
-        return _zero_bubble(stages, micro_batches)
+        return Schedule(_zero_bubble(stages, micro_batches), kind, stages, micro_batches)
     make = _gpipe if kind == "gpipe" else _one_f_one_b
-    return [make(s, stages, micro_batches) for s in range(stages)]
+    return Schedule([make(s, stages, micro_batches) for s in range(stages)], kind, stages,
+                    micro_batches)
 
 
 def bubble_formula(stages: int, micro_batches: int) -> float:

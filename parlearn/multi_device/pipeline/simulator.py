@@ -10,12 +10,12 @@ running in opposite directions over the same devices.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from parlearn.core.checks import check_float, check_int
-from parlearn.multi_device.pipeline.schedules import Op, schedule
+from parlearn.multi_device.pipeline.schedules import Op, Schedule, schedule
 
-__all__ = ["Simulation", "simulate", "simulate_bidirectional"]
+__all__ = ["Simulation", "dependency", "simulate", "simulate_bidirectional"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -25,15 +25,22 @@ __all__ = ["Simulation", "simulate", "simulate_bidirectional"]
 class Simulation:
     """A modeled timeline. ``events`` are ``(lane, label, start, end)`` in cost units
     (for :func:`parlearn.viz.timeline`); ``makespan`` is the last end; ``bubble`` the idle
-    fraction ``1 - busy / (P * makespan)``; ``peak_in_flight[s]`` the most micro-batches whose
-    activations stage ``s`` holds at once (from the start of F until the end of the op that
-    frees them: B, or W in ``"zb"``)."""
+    fraction ``1 - busy / (P * makespan)`` of a synchronous step; ``peak_in_flight[s]`` the
+    most micro-batches whose activations rank ``s`` holds at once, in units of one whole
+    stage's activations (a chunk of a rank with ``v`` chunks counts ``1/v``; held from the
+    start of F until the end of the op that frees them: B, or W when backward is split);
+    ``idle_in_span[s]`` rank ``s``'s idle time between its first start and its last end (the
+    zero-bubble paper's "bubble size", which assumes no synchronisation between steps);
+    ``messages`` the point-to-point messages of one step (activations and gradients that
+    cross ranks)."""
 
     events: list[tuple[str, str, float, float]]
     makespan: float
     bubble: float
     busy: list[float]
-    peak_in_flight: list[int]
+    peak_in_flight: list[float]
+    idle_in_span: list[float] = field(default_factory=list)
+    messages: int = 0
 
 
 def _per_stage(name: str, value, stages: int) -> list[float]:
@@ -45,74 +52,102 @@ def _per_stage(name: str, value, stages: int) -> list[float]:
     return value
 
 
+def dependency(orders: Sequence[Sequence[Op]], rank: int, op: Op) -> tuple[str, int, int] | None:
+    """What ``op`` of ``rank`` waits for, as ``(kind, virtual stage, micro-batch)``: ``F`` on
+    virtual stage ``g`` needs ``F`` of ``g-1``; ``B`` needs ``B`` of ``g+1`` (on the last
+    stage: its own ``F``, the loss); ``W`` its own ``B``. None for the first forward."""
+    place = orders if isinstance(orders, Schedule) else None
+    last = (place.virtual_stages if place else len(orders)) - 1
+    g = place.stage_of(rank, op.chunk) if place else rank
+    if op.kind == "F":
+        return ("F", g - 1, op.mb) if g > 0 else None
+    if op.kind == "B":
+        return ("B", g + 1, op.mb) if g < last else ("F", g, op.mb)
+    if op.kind == "W":
+        return ("B", g, op.mb)
+    raise ValueError(f"unknown op kind {op.kind!r} in orders[{rank}]")
+
+
 def simulate(orders: Sequence[Sequence[Op]], cost_f: float | Sequence[float] = 1.0,
              cost_b: float | Sequence[float] = 2.0, cost_w: float | Sequence[float] = 0.0,
-             comm: float = 0.0, *, lanes: Sequence[str] | None = None) -> Simulation:
-    """Run ``orders`` (one list of :class:`Op` per stage, e.g. from :func:`schedule`) on a
-    model machine: every op starts when its rank is free and its input has arrived, where
-    ``F m`` on stage ``s`` needs ``F m`` of ``s-1``, ``B m`` needs ``B m`` of ``s+1`` (the last
-    stage: its own ``F m``), and ``W m`` its own ``B m``; a message takes ``comm``. Costs are
-    per stage (a number means equal stages). When the orders contain ``W`` ops, ``cost_b`` is
+             comm: float = 0.0, *, cost_fb: float | None = None,
+             lanes: Sequence[str] | None = None) -> Simulation:
+    """Run ``orders`` (one list of :class:`Op` per rank, e.g. a :class:`Schedule`) on a
+    model machine: every op starts when its rank is free and its input has arrived
+    (:func:`dependency`); a message between ranks takes ``comm``. Costs are those of one
+    rank's whole share of the model (a number means equal ranks); a rank holding ``v``
+    chunks spends ``1/v`` of them per op. When the orders contain ``W`` ops, ``cost_b`` is
     the input-gradient part only and ``cost_w`` the weight-gradient part; otherwise a ``B``
-    costs ``cost_b`` and ``cost_w`` must be 0 (include it in ``cost_b``). Raises ValueError
-    if the orders deadlock."""
+    costs ``cost_b`` and ``cost_w`` must be 0 (include it in ``cost_b``). ``cost_fb`` is the
+    time of an overlapped F&B pair (the schedule's ``overlap``; default: not overlapped,
+    F then B). Raises ValueError if the orders deadlock."""
     stages = len(orders)
     if stages < 1:
         raise ValueError("orders must list at least one stage")
-    cf, cb, cw = (_per_stage(n, v, stages) for n, v in
+    chunks = orders.chunks if isinstance(orders, Schedule) else 1
+    cf, cb, cw = ([c / chunks for c in _per_stage(n, v, stages)] for n, v in
                   (("cost_f", cost_f), ("cost_b", cost_b), ("cost_w", cost_w)))
     comm = check_float("comm", comm, lo=0)
+    fused = None if cost_fb is None else check_float("cost_fb", cost_fb, lo=0) / chunks
+    pairs = orders.overlap if isinstance(orders, Schedule) and fused is not None else ()
     has_w = any(op.kind == "W" for ops in orders for op in ops)
     if not has_w and any(cw):
         raise ValueError("cost_w > 0 but the orders have no W ops: add it to cost_b")
     lanes = [f"stage {s}" for s in range(stages)] if lanes is None else list(lanes)
     cost = {"F": cf, "B": cb, "W": cw}
     done: dict[tuple[str, int, int], float] = {}
+    where: dict[tuple[str, int, int], int] = {}
     free = [0.0] * stages
     pos = [0] * stages
     events = []
-    mem, peak = [0] * stages, [0] * stages
+    messages = 0
     release = "W" if has_w else "B"
-    held: list[list[tuple[float, int]]] = [[] for _ in range(stages)]   # (time, +-1)
+    held: list[list[tuple[float, int]]] = [[] for _ in range(stages)]   # (time, +-1 chunk)
     while any(pos[s] < len(orders[s]) for s in range(stages)):
         progressed = False
         for s in range(stages):
             while pos[s] < len(orders[s]):
-                op = orders[s][pos[s]]
-                if op.kind == "F":
-                    dep = ("F", s - 1, op.mb) if s > 0 else None
-                elif op.kind == "B":
-                    dep = ("B", s + 1, op.mb) if s < stages - 1 else ("F", s, op.mb)
-                elif op.kind == "W":
-                    dep = ("B", s, op.mb)
-                else:
-                    raise ValueError(f"unknown op kind {op.kind!r} in orders[{s}]")
-                if dep is not None and dep not in done:
+                n = 2 if (s, pos[s]) in pairs else 1
+                ops = orders[s][pos[s]:pos[s] + n]
+                deps = [dependency(orders, s, op) for op in ops]
+                if any(d is not None and d not in done for d in deps):
                     break
-                arrive = 0.0 if dep is None else done[dep] + (comm if dep[1] != s else 0.0)
-                start = max(free[s], arrive)
-                end = start + cost[op.kind][s]
-                done[(op.kind, s, op.mb)] = end
+                arrive = [0.0 if d is None else done[d] + (comm if where[d] != s else 0.0)
+                          for d in deps]
+                messages += sum(d is not None and where[d] != s for d in deps)
+                start = max(free[s], *arrive)
+                end = start + (fused if n == 2 else cost[ops[0].kind][s])
+                for op in ops:
+                    g = orders.stage_of(s, op.chunk) if isinstance(orders, Schedule) else s
+                    done[(op.kind, g, op.mb)], where[(op.kind, g, op.mb)] = end, s
+                    if op.kind == "F":
+                        held[s].append((start, 1))
+                    if op.kind == release:
+                        held[s].append((end, -1))
                 free[s] = end
-                events.append((lanes[s], f"{op.kind} {op.mb}", start, end))
-                if op.kind == "F":
-                    held[s].append((start, 1))
-                if op.kind == release:
-                    held[s].append((end, -1))
-                pos[s] += 1
+                events.append((lanes[s], "&".join(f"{o.kind} {o.mb}" + (f"c{o.chunk}" if
+                               o.chunk else "") for o in ops), start, end))
+                pos[s] += n
                 progressed = True
         if not progressed:
             stuck = {s: str(orders[s][pos[s]]) for s in range(stages) if pos[s] < len(orders[s])}
             raise ValueError(f"the orders deadlock: stages wait at {stuck}")
+    peak = []
     for s in range(stages):
         # Frees before takes at the same instant: a slot reused at once is not two slots.
+        level = top = 0
         for _, delta in sorted(held[s], key=lambda e: (e[0], e[1])):
-            mem[s] += delta
-            peak[s] = max(peak[s], mem[s])
+            level += delta
+            top = max(top, level)
+        peak.append(top / chunks)
     makespan = max(free)
     busy = [sum(e[3] - e[2] for e in events if e[0] == lanes[s]) for s in range(stages)]
     bubble = 1.0 - sum(busy) / (stages * makespan) if makespan > 0 else 0.0
-    return Simulation(events, makespan, bubble, busy, peak)
+    span = [max((e[3] for e in events if e[0] == lanes[s]), default=0.0)
+            - min((e[2] for e in events if e[0] == lanes[s]), default=0.0)
+            for s in range(stages)]
+    idle = [sp - b for sp, b in zip(span, busy, strict=True)]
+    return Simulation(events, makespan, bubble, busy, peak, idle, messages)
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,217 @@
+"""The schedule zoo: interleaved 1F1B, ZB-H2 and ZB-V as :class:`Schedule` objects.
+
+Each builder returns the one schedule object of
+:mod:`parlearn.multi_device.pipeline.schedules`: the op list of every rank, and where its
+model chunks (virtual stages) sit. The same object is validated (:func:`validate`), timed
+(:func:`parlearn.multi_device.pipeline.simulator.simulate`), drawn and executed on real
+ranks (:func:`parlearn.multi_device.pipeline.virtual.run_schedule`).
+
+- ``"interleaved"``: interleaved 1F1B with ``v`` chunks per rank in the loop placement
+  (Narayanan et al. 2021): the micro-batches go round the ranks ``v`` times, in groups of
+  ``P``. The warm-up, ``2(P-r-1) + (v-1)P`` forwards on rank ``r``, then one forward one
+  backward, then the drain. Bubble ``(P-1)/v`` slots of ``F+B`` instead of ``P-1``: a
+  fraction ``(P-1)/(vM)`` of the ideal step, at ``v`` times the p2p messages. ``M`` must be
+  a multiple of ``P`` (the groups).
+- ``"zb-h2"``: zero bubble with split backward (Qi et al. 2024), one stage per rank: more
+  warm-up forwards (up to ``2P-1`` in flight on every stage) fill the fill-in bubble and
+  the ``W``\\ s fill the drain: bubble ``(P-1)(T_F + T_B - 2 T_W)``, 0 at equal costs, at
+  about twice 1F1B's activation memory.
+- ``"zb-v"``: zero bubble in the V placement (Qi et al. 2024): two chunks per rank,
+  rank ``r`` holding virtual stages ``r`` and ``2P-1-r``, so the forward goes down the
+  ranks and back up and the loss is on rank 0. At most ``2P`` chunk activations (``P``
+  whole stages, 1F1B's memory) in flight per rank. The paper reaches a near-zero bubble with
+  its hand-built order; our list-scheduled one leaves about half of ZB-H1's, ``(P-1)/2``
+  stage slots at equal costs for even ``P`` (tested), not zero.
+
+DeepSeek's DualPipe-V is not built here: marking ZB-V's adjacent F, B pairs as overlapped
+F&B ops (our first reconstruction) made the simulated step longer, not shorter (a fused pair
+waits for both its inputs), so it did not reproduce DeepSeek's ``(P/2-1)(F&B + B - 3W)``.
+:func:`parlearn.multi_device.pipeline.torch_pipeline.dualpipe_v_order` imports torch's
+DualPipe-V order into a :class:`Schedule` instead.
+
+The zero-bubble schedules are ours: list scheduling at unit cost with the
+priorities each paper describes (see :func:`_greedy`), not copied from the papers' figures
+or code. :func:`paper_bubble` gives each paper's bubble formula.
+"""
+
+from __future__ import annotations
+
+from parlearn.core.checks import check_choice, check_int
+from parlearn.multi_device.pipeline.schedules import Op, Schedule, schedule
+
+__all__ = ["ZOO", "zoo_schedule", "validate", "paper_bubble", "in_flight_formula"]
+
+ZOO = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
+
+
+# ---------------------------------------------------------------------------------------
+# Interleaved 1F1B: the Megatron-LM order, built directly.
+
+def _interleaved(stages: int, m: int, v: int) -> Schedule:
+    total = m * v
+
+    def nth(k: int, backward: bool) -> tuple[int, int]:
+        # The k-th forward (backward) of a rank: groups of P micro-batches per chunk.
+        chunk = (k // stages) % v
+        return (k // (stages * v)) * stages + k % stages, (v - 1 - chunk if backward else chunk)
+
+    orders = []
+    for r in range(stages):
+        warm = min(2 * (stages - r - 1) + (v - 1) * stages if v > 1 else stages - r - 1, total)
+        ops = [Op("F", *nth(k, False)) for k in range(warm)]
+        for k in range(total - warm):
+            ops += [Op("F", *nth(warm + k, False)), Op("B", *nth(k, True))]
+        ops += [Op("B", *nth(k, True)) for k in range(total - warm, total)]
+        orders.append(ops)
+    return Schedule(orders, "interleaved", stages, m, chunks=v)
+
+
+# ---------------------------------------------------------------------------------------
+# List scheduling at unit cost: ZB-H2 and ZB-V.
+
+def _greedy(stages: int, m: int, chunks: int, placement: str, caps: list[int],
+            kind: str) -> Schedule:
+    """Every time step (unit cost per op of a chunk, free communication) each rank that is
+    free runs the first ready op by priority:
+
+    1. ``B``, of the earliest virtual stage ready (it finishes a micro-batch's backward on
+       this rank, and unblocks the rank before);
+    2. ``F`` if fewer than ``caps[r]`` chunk activations are held (from F until W), the
+       latest virtual stage first (it brings a micro-batch to the loss sooner);
+    3. ``W`` (nobody waits for it, so it fills what would be idle)."""
+    sched = Schedule([[] for _ in range(stages)], kind, stages, m, chunks, placement)
+    last = stages * chunks - 1
+    end: dict[tuple[str, int, int], int] = {}
+    nxt = {(k, r, c): 0 for k in "FBW" for r in range(stages) for c in range(chunks)}
+    held = [0] * stages
+    t = 0
+
+    def ready(kind_: str, r: int, c: int) -> int | None:
+        i = nxt[(kind_, r, c)]
+        if i >= m:
+            return None
+        g = sched.stage_of(r, c)
+        dep = {"F": ("F", g - 1, i) if g > 0 else None,
+               "B": ("B", g + 1, i) if g < last else ("F", g, i),
+               "W": ("B", g, i)}[kind_]
+        return i if dep is None or end.get(dep, t + 1) <= t else None
+
+    while any(nxt[("W", r, c)] < m for r in range(stages) for c in range(chunks)):
+        for r in range(stages):
+            by_stage = sorted(range(chunks), key=lambda c: -sched.stage_of(r, c))
+            b = next(((c, i) for c in by_stage[::-1] if (i := ready("B", r, c)) is not None),
+                     None)
+            f = next(((c, i) for c in by_stage if held[r] < caps[r]
+                      and (i := ready("F", r, c)) is not None), None)
+            w = next(((c, i) for c in range(chunks) if (i := ready("W", r, c)) is not None),
+                     None)
+            todo = [("B", *b)] if b else [("F", *f)] if f else [("W", *w)] if w else []
+            for kind_, c, i in todo:
+                sched[r].append(Op(kind_, i, c))
+                end[(kind_, sched.stage_of(r, c), i)] = t + 1
+                nxt[(kind_, r, c)] += 1
+                held[r] += {"F": 1, "B": 0, "W": -1}[kind_]
+        t += 1
+        if t > 100 * (m * chunks * 3 + stages):
+            raise AssertionError("list scheduling made no progress")   # cannot happen
+    return sched
+
+
+def zoo_schedule(kind: str, stages: int, micro_batches: int, v: int = 2) -> Schedule:
+    """The schedule ``kind`` (one of :data:`ZOO`) for ``stages`` ranks and ``micro_batches``
+    micro-batches; ``v`` is the chunks per rank of ``"interleaved"`` (``v = 1`` is 1F1B).
+    ``"zb-h1"`` is :func:`schedule` ``("zb", ...)``. Refuses an ``"interleaved"`` M that is
+    not a multiple of P."""
+    check_choice("kind", kind, ZOO)
+    stages = check_int("stages", stages, lo=1)
+    m = check_int("micro_batches", micro_batches, lo=1)
+    v = check_int("v", v, lo=1)
+    if kind in ("gpipe", "1f1b"):
+        return schedule(kind, stages, m)
+    if kind == "zb-h1":
+        sched = schedule("zb", stages, m)
+        sched.kind = "zb-h1"
+        return sched
+    if kind == "interleaved":
+        if v > 1 and m % stages:
+            raise ValueError(f"micro_batches must be a multiple of stages={stages} for "
+                             f"interleaved 1F1B with v={v} (groups of P), got {m}")
+        return _interleaved(stages, m, v)
+    if kind == "zb-h2":
+        return _greedy(stages, m, 1, "loop", [2 * stages - 1] * stages, "zb-h2")
+    return _greedy(stages, m, 2, "v", [2 * stages] * stages, "zb-v")
+
+
+# ---------------------------------------------------------------------------------------
+# Validation and the papers' formulas.
+
+def validate(sched: Schedule) -> list[int]:
+    """Check that every rank runs each op of each of its chunks exactly once, each after
+    the ops it needs on its own rank (F before B before W of a micro-batch), and that the
+    whole schedule can run (no op waits forever for another rank: the simulator's
+    dependency walk). Returns the peak count of chunk activations held per rank. Raises
+    ValueError naming the first fault."""
+    from parlearn.multi_device.pipeline.simulator import simulate
+
+    kinds = "FBW" if sched.split else "FB"
+    peaks = []
+    for r, ops in enumerate(sched):
+        for c in range(sched.chunks):
+            for k in kinds:
+                got = sorted(op.mb for op in ops if op.kind == k and op.chunk == c)
+                if got != list(range(sched.micro_batches)):
+                    raise ValueError(f"rank {r} chunk {c}: {k} ops of micro-batches {got}, "
+                                     f"want each of 0..{sched.micro_batches - 1} once")
+        seen, level, top = set(), 0, 0
+        for op in ops:
+            need = {"F": None, "B": "F", "W": "B"}[op.kind]
+            if need and (need, op.mb, op.chunk) not in seen:
+                raise ValueError(f"rank {r}: {op} before its {need}")
+            seen.add((op.kind, op.mb, op.chunk))
+            level += {"F": 1, kinds[-1]: -1}.get(op.kind, 0)
+            top = max(top, level)
+        peaks.append(top)
+    simulate(sched, 1, 1, 1) if sched.split else simulate(sched)   # raises on a deadlock
+    return peaks
+
+
+def paper_bubble(kind: str, stages: int, v: int = 1, t_f: float = 1.0, t_b: float = 1.0,
+                 t_w: float = 1.0) -> float:
+    """Each paper's bubble, in time units of one rank's whole stage (``t_b`` the input
+    gradient, ``t_w`` the weight gradient; a non-split schedule's backward is
+    ``t_b + t_w``): 1F1B and GPipe ``(P-1)(T_F+T_B+T_W)``, interleaved ``/v`` of that,
+    ZB-H1 ``(P-1)(T_F+T_B-T_W)``, ZB-H2 ``(P-1)(T_F+T_B-2T_W)`` (Qi et al. 2024, Table 1,
+    the idle time of a stage between its first and last op), ZB-V about 0 (the paper:
+    "nearly zero" at equal costs; our list-scheduled ZB-V does not reach it, see the
+    lesson)."""
+    check_choice("kind", kind, ZOO)
+    p = check_int("stages", stages, lo=1)
+    full = (p - 1) * (t_f + t_b + t_w)
+    if kind in ("gpipe", "1f1b"):
+        return full
+    if kind == "interleaved":
+        return full / check_int("v", v, lo=1)
+    if kind == "zb-h1":
+        return (p - 1) * (t_f + t_b - t_w)
+    if kind == "zb-h2":
+        return (p - 1) * (t_f + t_b - 2 * t_w)
+    return 0.0
+
+
+def in_flight_formula(kind: str, stages: int, micro_batches: int, v: int = 2) -> float:
+    """The peak activations held by rank 0 in whole-stage units: GPipe ``M``, 1F1B ``P``,
+    interleaved ``P + (P-1)/v`` (its deeper warm-up: ``2(P-1) + (v-1)P + 1`` chunks of
+    ``1/v``), ZB-H2 ``2P-1``, our list-scheduled ZB-H1 ``2P-1`` too (``P`` awaiting B plus up
+    to ``P-1`` awaiting W; the paper's hand-built ZB-H1 keeps 1F1B's ``P``), ZB-V ``P``
+    (all capped at ``M``)."""
+    check_choice("kind", kind, ZOO)
+    p, m = check_int("stages", stages, lo=1), check_int("micro_batches", micro_batches, lo=1)
+    if kind == "gpipe":
+        return float(m)
+    if kind in ("1f1b", "zb-v"):
+        return float(min(p, m))
+    if kind == "zb-h2":
+        return float(min(2 * p - 1, m))
+    if kind == "interleaved":
+        return min(p + (p - 1) / v, m) if v > 1 else float(min(p, m))
+    return float(min(2 * p - 1, m))
