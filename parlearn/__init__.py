@@ -46,6 +46,7 @@ SHORT_NAMES: dict[str, str] = {
     "memory": "multi_device.memory",
     "context_parallel": "multi_device.context_parallel",
     "moe": "multi_device.moe",
+    "mesh": "multi_device.mesh",
     # Part 2: beyond backprop's serial chain
     "leapfrog": "serial_chain.leapfrog",
     "multigrid": "serial_chain.multigrid",

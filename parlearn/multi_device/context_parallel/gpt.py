@@ -27,7 +27,7 @@ from parlearn.multi_device.context_parallel.ulysses import ulysses_attention
 from parlearn.multi_device.transformer.corpus import get_batch, pydoc_corpus
 from parlearn.multi_device.transformer.model import GPT, GPTConfig, _rotate_half
 
-__all__ = ["cp_forward", "serial_train", "cp_train", "cp_train_worker"]
+__all__ = ["cp_forward", "train_batches", "serial_train", "cp_train", "cp_train_worker"]
 
 _ATTENTION = {"ring": ring_attention, "ulysses": ulysses_attention}
 
@@ -61,7 +61,10 @@ def cp_forward(model: GPT, idx: torch.Tensor, targets: torch.Tensor, positions: 
                            reduction="sum") / (b * seq)
 
 
-def _batches(steps: int, batch: int, seq: int, seed: int):
+def train_batches(steps: int, batch: int, seq: int, seed: int
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``(idx, targets)`` of each step, drawn from the pydoc corpus by ``seed``: the
+    same list on every rank, so a rank can cut out its share without any message."""
     gen = torch.Generator().manual_seed(seed)
     ids = pydoc_corpus().train
     return [get_batch(ids, batch, seq, gen) for _ in range(steps)]
@@ -75,16 +78,21 @@ def _cfg(cfg: GPTConfig, seq: int) -> GPTConfig:
     return cfg
 
 
+_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
+
+
 def serial_train(cfg: GPTConfig, *, steps: int = 3, batch: int = 2, seq: int = 16,
-                 lr: float = 1e-2, seed: int = 0) -> dict:
-    """The reference: the same GPT (float64), data and AdamW steps in one process.
+                 lr: float = 1e-2, seed: int = 0, optimizer: str = "adamw") -> dict:
+    """The reference: the same GPT (float64), data and ``optimizer`` steps ("adamw" or
+    "adam", torch's defaults but ``lr``) in one process.
     Returns ``{"loss": [per step], "params": {name: tensor}}``."""
     steps, batch, seq = (check_int(n, v, lo=1) for n, v in
                          (("steps", steps), ("batch", batch), ("seq", seq)))
+    check_choice("optimizer", optimizer, tuple(_OPTIMIZERS))
     model = GPT(_cfg(cfg, seq), dtype=torch.float64)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = _OPTIMIZERS[optimizer](model.parameters(), lr=lr)
     losses = []
-    for idx, tgt in _batches(steps, batch, seq, seed):
+    for idx, tgt in train_batches(steps, batch, seq, seed):
         opt.zero_grad()
         loss = model(idx, tgt)[1]
         loss.backward()
@@ -101,7 +109,7 @@ def cp_train_worker(rank: int, world_size: int, cfg: GPTConfig, steps: int, batc
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     pos = shard_index(seq, world_size, rank, layout)
     losses = []
-    for idx, tgt in _batches(steps, batch, seq, seed):
+    for idx, tgt in train_batches(steps, batch, seq, seed):
         opt.zero_grad()
         loss = cp_forward(model, idx[:, pos], tgt[:, pos], pos, seq=seq, layout=layout,
                           scheme=scheme)

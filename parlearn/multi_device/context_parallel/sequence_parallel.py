@@ -39,44 +39,50 @@ __all__ = ["GatherSequence", "ScatterSequence", "SequenceParallelBlock", "Tensor
            "serial_block", "sp_block_worker"]
 
 
-def _gather(x: torch.Tensor) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(tdist.get_world_size())]
-    tdist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=0)
+def _gather(x: torch.Tensor, group=None, dim: int = 0) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(tdist.get_world_size(group))]
+    tdist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
 
 
-def _scatter(x: torch.Tensor) -> torch.Tensor:
-    world = tdist.get_world_size()
-    if x.shape[0] % world:
-        raise ValueError(f"sequence parallelism needs the sequence (dim 0, {x.shape[0]} "
-                         f"tokens) divisible by the group size {world}")
-    out = torch.empty_like(x[: x.shape[0] // world])
-    tdist.reduce_scatter(out, [p.contiguous() for p in x.chunk(world, dim=0)])
+def _scatter(x: torch.Tensor, group=None, dim: int = 0) -> torch.Tensor:
+    world = tdist.get_world_size(group)
+    if x.shape[dim] % world:
+        raise ValueError(f"sequence parallelism needs the sequence (dim {dim}, "
+                         f"{x.shape[dim]} tokens) divisible by the group size {world}")
+    parts = [p.contiguous() for p in x.chunk(world, dim=dim)]
+    out = torch.empty_like(parts[0])
+    tdist.reduce_scatter(out, parts, group=group)
     return out
 
 
 class GatherSequence(torch.autograd.Function):
-    """SP's ``g``: all-gather along the sequence forward, reduce-scatter backward."""
+    """SP's ``g``: all-gather along the sequence forward, reduce-scatter backward.
+    ``GatherSequence.apply(x, group, dim)``: over ``group`` (default: the world), the
+    sequence at ``dim`` (default 0, Megatron's sequence-first layout)."""
 
     @staticmethod
-    def forward(ctx, x):
-        return _gather(x)
+    def forward(ctx, x, group=None, dim: int = 0):
+        ctx.group, ctx.dim = group, dim
+        return _gather(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _scatter(grad)
+        return _scatter(grad, ctx.group, ctx.dim), None, None
 
 
 class ScatterSequence(torch.autograd.Function):
-    """SP's ``g-bar``: reduce-scatter along the sequence forward, all-gather backward."""
+    """SP's ``g-bar``: reduce-scatter along the sequence forward, all-gather backward
+    (``ScatterSequence.apply(x, group, dim)``, as :class:`GatherSequence`)."""
 
     @staticmethod
-    def forward(ctx, x):
-        return _scatter(x)
+    def forward(ctx, x, group=None, dim: int = 0):
+        ctx.group, ctx.dim = group, dim
+        return _scatter(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad)
+        return _gather(grad, ctx.group, ctx.dim), None, None
 
 
 def serial_block(d_model: int, d_hidden: int, seed: int = 0) -> nn.Sequential:

@@ -35,31 +35,35 @@ __all__ = ["CopyToRanks", "SumOverRanks", "ColumnParallelLinear", "RowParallelLi
 # Megatron: f and g, and the split layers (worker-side: need an initialised group).
 
 class CopyToRanks(torch.autograd.Function):
-    """Megatron's ``f``: identity forward; all-reduce (sum) of the gradient backward."""
+    """Megatron's ``f``: identity forward; all-reduce (sum) of the gradient backward.
+    ``CopyToRanks.apply(x, group)`` sums over ``group`` (default: the whole world), which
+    is how a tensor-parallel group inside a bigger mesh uses it (:mod:`parlearn.mesh`)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group=None) -> torch.Tensor:
+        ctx.group = group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous().clone()
-        tdist.all_reduce(grad)
-        return grad
+        tdist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class SumOverRanks(torch.autograd.Function):
-    """Megatron's ``g``: all-reduce (sum) forward; identity backward."""
+    """Megatron's ``g``: all-reduce (sum) forward over ``group`` (default: the world);
+    identity backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group=None) -> torch.Tensor:
         x = x.contiguous().clone()
-        tdist.all_reduce(x)
+        tdist.all_reduce(x, group=group)
         return x
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 def _chunk(n: int, rank: int, world_size: int) -> slice:

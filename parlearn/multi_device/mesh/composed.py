@@ -1,0 +1,367 @@
+"""The tiny GPT trained on a ``pp x dp x tp`` device mesh, from the course's own pieces.
+
+Each rank builds the whole float64 GPT from its config (same seed, same weights everywhere,
+no message needed) and keeps only its piece (:class:`StageGPT`):
+
+- **PP** (lesson 13): stage ``s`` keeps blocks ``[s L/P, (s+1) L/P)``; the first stage also
+  the token embedding, the last the final LayerNorm and the output layer. The GPT's output
+  layer IS its embedding (tied weights), so with ``pp > 1`` two stages hold a copy of one
+  tensor: their gradients are summed over the *embedding group* (first and last stage)
+  before the update, as Megatron-LM does. The micro-batches run the 1F1B order of
+  :func:`parlearn.pipeline.schedule` with isend/recv between neighbouring stages.
+- **TP** (lesson 14): q, k, v and the MLP's first projection are split by output features
+  (whole heads per rank), the attention output and the MLP's second projection by input
+  features; Megatron's ``f``/``g`` (:class:`~parlearn.tensor_parallel.CopyToRanks`,
+  :class:`~parlearn.tensor_parallel.SumOverRanks`) on the tp group place the all-reduces.
+- **SP** (lesson 17, ``sp=True``): between the TP regions each tp rank keeps only its
+  ``S/tp`` tokens; ``g`` and ``g-bar`` become all-gather and reduce-scatter along the
+  sequence (:class:`~parlearn.context_parallel.GatherSequence`, ``ScatterSequence``).
+  LayerNorms, the embedding and the output layer then see a rank's tokens only, so their
+  gradients are partial sums, all-reduced over the tp group. Pipeline messages shrink by
+  ``tp``.
+- **DP / ZeRO-1** (lessons 11-12): :class:`parlearn.sharding.ShardedAdam` over the dp group
+  averages the gradients (reduce-scatter, Adam on a 1/dp shard, all-gather: stage 1; or
+  all-reduce: stage 0). Each dp replica takes ``batch / dp`` sequences.
+
+The loss of a micro-batch on a rank is its tokens' summed cross-entropy over
+``(batch / dp) * seq``: summed over micro-batches (and tp ranks under SP) it is the
+replica's mean loss, and the dp average makes it the whole batch's. So after each step
+every rank holds exactly its shard of what one process would have (:func:`mesh_check`).
+
+**Order of composition** (what torchtitan#1554 asks): apply TP first, then data
+parallelism, then the pipeline split around them. TP changes what a parameter IS (a shard
+with its own shape), so the optimizer, FSDP's flat buffers and DP's buckets must be built
+on the already-sharded module; DP only averages whatever gradients exist, so it wraps last
+over each stage's own parameters; the pipeline decides which parameters a rank has at all,
+so it is decided first and the tied embedding's two copies become a cross-stage group. In
+torchtitan the same order reads ``parallelize_module`` (TP/SP), then ``fully_shard``
+(FSDP2), on each pipeline stage's module (:mod:`parlearn.mesh.torch_composed`).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+import torch.distributed as tdist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from parlearn.core.checks import check_bool, check_choice, check_float, check_int
+from parlearn.multi_device.context_parallel.gpt import serial_train, train_batches
+from parlearn.multi_device.context_parallel.sequence_parallel import (
+    GatherSequence,
+    ScatterSequence,
+)
+from parlearn.multi_device.mesh.layout import AXES, MeshShape
+from parlearn.multi_device.pipeline.schedules import schedule
+from parlearn.multi_device.tensor_parallel.megatron import CopyToRanks, SumOverRanks
+from parlearn.multi_device.transformer.model import GPT, GPTConfig, _rotate_half, attention_core
+
+__all__ = ["COLUMN", "ROW", "StageGPT", "check_plan", "mesh_train_worker", "mesh_train",
+           "assemble", "mesh_check"]
+
+# Linear layers split by output features (dim 0 of the weight) and by input features (dim 1).
+COLUMN = ("attn.q", "attn.k", "attn.v", "mlp.up", "mlp.gate")
+ROW = ("attn.o", "mlp.down")
+
+
+def shard_dim(name: str) -> int | None:
+    """Which dim of parameter ``name`` tensor parallelism splits (None: replicated)."""
+    for part, dim in [(p, 0) for p in COLUMN] + [(p, 1) for p in ROW]:
+        if f".{part}.weight" in name:
+            return dim
+    return None
+
+
+def check_plan(cfg: GPTConfig, shape: MeshShape, batch: int, seq: int, micro_batches: int,
+               sp: bool) -> None:
+    """Refuse, naming the argument, a plan the mesh cannot run."""
+    if not isinstance(cfg, GPTConfig):
+        raise TypeError(f"cfg must be a GPTConfig, got {type(cfg).__name__}")
+    if not isinstance(shape, MeshShape):
+        raise TypeError(f"shape must be a MeshShape, got {type(shape).__name__}")
+    if cfg.n_layers % shape.pp:
+        raise ValueError(f"pp={shape.pp} must divide cfg.n_layers={cfg.n_layers}")
+    if cfg.n_heads % shape.tp or cfg.ff % shape.tp:
+        raise ValueError(f"tp={shape.tp} must divide cfg.n_heads={cfg.n_heads} and the MLP "
+                         f"width {cfg.ff}")
+    if batch % (shape.dp * micro_batches):
+        raise ValueError(f"batch={batch} must divide into dp={shape.dp} replicas of "
+                         f"micro_batches={micro_batches} equal micro-batches")
+    if seq > cfg.max_seq:
+        raise ValueError(f"seq={seq} must be at most cfg.max_seq={cfg.max_seq}")
+    if sp and seq % shape.tp:
+        raise ValueError(f"sp=True needs seq={seq} divisible by tp={shape.tp}")
+
+
+class StageGPT(nn.Module):
+    """Rank ``(stage, shard)``'s piece of ``full``: its pipeline stage's blocks with every
+    linear cut to its tensor-parallel shard. Parameter names are ``full``'s, so a shard
+    can be put back where it came from (:func:`assemble`)."""
+
+    def __init__(self, full: GPT, shape: MeshShape, stage: int, shard: int, *, sp: bool,
+                 tp_group=None, recompute: str = "none"):
+        super().__init__()
+        cfg = full.cfg
+        self.cfg, self.tp, self.sp, self.group = cfg, shape.tp, sp, tp_group
+        self.recompute = check_choice("recompute", recompute, ("none", "full"))
+        self.first, self.last = stage == 0, stage == shape.pp - 1
+        per = cfg.n_layers // shape.pp
+        keep = range(stage * per, (stage + 1) * per)
+        self.tok = copy.deepcopy(full.tok) if self.first or self.last else None
+        self.pos = copy.deepcopy(full.pos) if self.first and full.pos is not None else None
+        self.blocks = nn.ModuleDict({str(i): copy.deepcopy(full.blocks[i]) for i in keep})
+        self.ln_f = copy.deepcopy(full.ln_f) if self.last else None
+        for name, p in self.named_parameters():
+            dim = shard_dim(name)
+            if dim is not None:
+                p.data = p.data.chunk(shape.tp, dim=dim)[shard].clone()
+        self.heads = cfg.n_heads // shape.tp
+        for name in ("mask", "cos", "sin"):
+            self.register_buffer(name, getattr(full, name), persistent=False)
+
+    def replicated(self) -> list[nn.Parameter]:
+        """Parameters every tp rank holds whole (LayerNorms, embedding, positions)."""
+        return [p for n, p in self.named_parameters() if shard_dim(n) is None]
+
+    # Megatron's conjugate pair at the edges of each TP region.
+    def _enter(self, h: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return h
+        return GatherSequence.apply(h, self.group, 1) if self.sp else CopyToRanks.apply(
+            h, self.group)
+
+    def _leave(self, y: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return y
+        return ScatterSequence.apply(y, self.group, 1) if self.sp else SumOverRanks.apply(
+            y, self.group)
+
+    def _block(self, blk: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        a, m = blk.attn, blk.mlp
+        h = self._enter(blk.ln1(x))
+        b, s, _ = h.shape
+        q, k, v = (lin(h).view(b, s, self.heads, -1).transpose(1, 2) for lin in (a.q, a.k, a.v))
+        if a.rope:
+            cos, sin = self.cos[:s], self.sin[:s]
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+        y = attention_core(q, k, v, self.mask[:s, :s])
+        x = x + self._leave(a.o(y.transpose(1, 2).reshape(b, s, -1)))
+        h = self._enter(blk.ln2(x))
+        z = m.down(F.silu(m.gate(h)) * m.up(h)) if m.swiglu else m.down(F.gelu(m.up(h)))
+        return x + self._leave(z)
+
+    def tokens(self, t: torch.Tensor, shard: int) -> torch.Tensor:
+        """This rank's tokens of ``t`` (``(b, S)``): its ``S/tp`` slice under SP, else all."""
+        return t.chunk(self.tp, dim=1)[shard] if self.sp and self.tp > 1 else t
+
+    def forward(self, x: torch.Tensor, shard: int = 0, targets: torch.Tensor | None = None,
+                denominator: float = 1.0) -> torch.Tensor:
+        """First stage: ``x`` is the token ids ``(b, S)``; later stages: the activation from
+        the stage before. Last stage returns the summed cross-entropy of this rank's tokens
+        over ``denominator``; the others their output activation."""
+        if self.first:
+            idx = self.tokens(x, shard)
+            x = self.tok(idx)
+            if self.pos is not None:
+                start = shard * idx.shape[1] if self.sp else 0
+                x = x + self.pos(torch.arange(start, start + idx.shape[1]))
+        for blk in self.blocks.values():
+            if self.recompute == "full":
+                x = checkpoint(self._block, blk, x, use_reentrant=False)
+            else:
+                x = self._block(blk, x)
+        if not self.last:
+            return x
+        logits = F.linear(self.ln_f(x), self.tok.weight)
+        tgt = self.tokens(targets, shard)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
+                               reduction="sum") / denominator
+
+
+def _saved_bytes(model: nn.Module, fn):
+    """Run ``fn()``; bytes of the storages autograd saved that are not parameters or
+    buffers (each storage once), and ``fn``'s result."""
+    skip = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip and t.dtype.is_floating_point:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+_P2P = ("send", "recv", "isend", "irecv")
+
+
+def _summary(records) -> dict[str, tuple[int, int]]:
+    """``{kind: (calls, payload bytes)}`` of ledger records."""
+    out: dict[str, tuple[int, int]] = {}
+    for r in records:
+        n, b = out.get(r.kind, (0, 0))
+        out[r.kind] = (n + 1, b + r.bytes)
+    return out
+
+
+def mesh_train_worker(rank: int, world_size: int, cfg: GPTConfig, shape: MeshShape, steps: int,
+                      batch: int, seq: int, micro_batches: int, lr: float, seed: int, sp: bool,
+                      zero: int, recompute: str, kind: str) -> dict:
+    """Worker: :func:`parlearn.context_parallel.serial_train`'s loop (Adam) on this rank's
+    piece of the mesh. Returns its parameters (name -> local tensor), the loss per step
+    (last stage; None elsewhere), step times, held bytes, the peak of saved activation
+    bytes, and one step's collectives per axis (from the ledger)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parlearn.dist import ledger
+    from parlearn.multi_device.sharding import ShardedAdam
+
+    mesh = init_device_mesh("cpu", shape.dims, mesh_dim_names=AXES)
+    tp_group, dp_group = mesh.get_group("tp"), mesh.get_group("dp")
+    me = shape.coords(rank)
+    stage, shard, replica = me["pp"], me["tp"], me["dp"]
+    emb_group = None
+    if shape.pp > 1:  # every rank creates every group, in the same order
+        for ranks in shape.groups("embedding"):
+            g = tdist.new_group(ranks)
+            if rank in ranks:
+                emb_group = g
+    model = StageGPT(GPT(cfg, dtype=torch.float64), shape, stage, shard, sp=sp,
+                     tp_group=tp_group, recompute=recompute)
+    opt = ShardedAdam(model, stage=zero, lr=lr, group=dp_group)
+    prev = shape.rank(stage - 1, replica, shard) if stage > 0 else None
+    nxt = shape.rank(stage + 1, replica, shard) if stage < shape.pp - 1 else None
+    local_b = batch // shape.dp
+    mb = local_b // micro_batches
+    act_shape = (mb, seq // shape.tp if sp else seq, cfg.d_model)
+    ops = schedule(kind, shape.pp, micro_batches)[stage]
+    out: dict = {"loss": [], "step_s": [], "coords": me, "act_peak": 0, "act_per_mb": 0}
+
+    for step, (idx, tgt) in enumerate(train_batches(steps, batch, seq, seed)):
+        idx, tgt = (t[replica * local_b:(replica + 1) * local_b] for t in (idx, tgt))
+        opt.zero_grad()
+        inputs, outputs, sends, live, loss = {}, {}, [], {}, 0.0
+        t0 = time.perf_counter()
+        with ledger() as pipe_led:  # p2p is the pipeline's; the rest is TP's
+            for op in ops:
+                rows = slice(op.mb * mb, (op.mb + 1) * mb)
+                if op.kind == "F":
+                    if model.first:
+                        x = idx[rows]
+                    else:
+                        x = torch.empty(act_shape, dtype=torch.float64)
+                        tdist.recv(x, prev, tag=op.mb)
+                        x.requires_grad_(True)
+                    nbytes, y = _saved_bytes(model, lambda x=x, t=tgt[rows]: model(
+                        x, shard, t, float(local_b * seq)))
+                    live[op.mb] = nbytes
+                    out["act_peak"] = max(out["act_peak"], sum(live.values()))
+                    out["act_per_mb"] = nbytes
+                    inputs[op.mb], outputs[op.mb] = x, y
+                    if nxt is not None:
+                        sends.append((tdist.isend(y.detach(), nxt, tag=op.mb), y))
+                else:
+                    y = outputs.pop(op.mb)
+                    if model.last:
+                        loss += float(y.detach())
+                        y.backward()
+                    else:
+                        g = torch.empty_like(y)
+                        tdist.recv(g, nxt, tag=op.mb)
+                        y.backward(g)
+                    x = inputs.pop(op.mb)
+                    live.pop(op.mb)
+                    if prev is not None:
+                        sends.append((tdist.isend(x.grad, prev, tag=op.mb), x))
+            for work, _ in sends:
+                work.wait()
+            if sp and shape.tp > 1:  # partial sums of the replicated parameters' gradients
+                for p in model.replicated():
+                    tdist.all_reduce(p.grad, group=tp_group)
+        with ledger() as emb_led:
+            if emb_group is not None:
+                tdist.all_reduce(model.tok.weight.grad, group=emb_group)
+        with ledger() as dp_led:
+            opt.step()
+        out["step_s"].append(time.perf_counter() - t0)
+        if model.last:
+            total = torch.tensor(loss, dtype=torch.float64)
+            if sp and shape.tp > 1:
+                tdist.all_reduce(total, group=tp_group)
+            tdist.all_reduce(total, group=dp_group)
+            out["loss"].append(float(total) / shape.dp)
+        if step == 0:
+            p2p = [r for r in pipe_led.records if r.kind in _P2P]
+            out["collectives"] = {"pp": _summary(p2p),
+                                  "tp": _summary([r for r in pipe_led.records
+                                                  if r.kind not in _P2P]),
+                                  "embedding": _summary(emb_led.records),
+                                  "dp": _summary(dp_led.records)}
+    out["held"] = opt.held_bytes()
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def mesh_train(cfg: GPTConfig, shape: MeshShape, *, steps: int = 3, batch: int = 8,
+               seq: int = 16, micro_batches: int = 2, lr: float = 1e-2, seed: int = 0,
+               sp: bool = True, zero: int = 1, recompute: str = "none",
+               schedule_kind: str = "1f1b", timeout: float = 60) -> list[dict]:
+    """Train ``cfg``'s GPT (float64, Adam) for ``steps`` on ``shape.world`` real gloo ranks
+    laid out as ``shape``; one dict per rank (:func:`mesh_train_worker`)."""
+    from parlearn.dist import run
+
+    steps, batch, seq = (check_int(n, v, lo=1) for n, v in
+                         (("steps", steps), ("batch", batch), ("seq", seq)))
+    micro_batches = check_int("micro_batches", micro_batches, lo=1)
+    check_float("lr", lr, lo=0, lo_open=True)
+    check_bool("sp", sp)
+    check_choice("zero", zero, (0, 1))
+    check_choice("recompute", recompute, ("none", "full"))
+    check_choice("schedule_kind", schedule_kind, ("1f1b", "gpipe"))
+    check_plan(cfg, shape, batch, seq, micro_batches, sp)
+    return run(mesh_train_worker, shape.world, backend="gloo", timeout=timeout,
+               args=(cfg, shape, steps, batch, seq, micro_batches, lr, seed, sp, zero,
+                     recompute, schedule_kind))
+
+
+def assemble(results: list[dict], shape: MeshShape) -> dict[str, torch.Tensor]:
+    """The whole model's parameters from the ranks' shards: replica 0's, tp shards
+    concatenated along the dim they were cut, each stage's blocks where they belong (the
+    tied embedding from the first stage)."""
+    full: dict[str, torch.Tensor] = {}
+    for stage in range(shape.pp):
+        parts = [results[shape.rank(stage, 0, t)]["params"] for t in range(shape.tp)]
+        for name, tensor in parts[0].items():
+            if name in full:
+                continue
+            dim = shard_dim(name)
+            full[name] = tensor if dim is None else torch.cat([p[name] for p in parts], dim)
+    return full
+
+
+def mesh_check(cfg: GPTConfig, shape: MeshShape, **kwargs) -> dict:
+    """:func:`mesh_train` against one process (:func:`parlearn.context_parallel.serial_train`
+    with Adam, the same batches): ``{"loss": max |loss difference| over steps, "params": max
+    |parameter difference|, "replicas": max difference between dp replicas' shards,
+    "results": the ranks' dicts}``."""
+    results = mesh_train(cfg, shape, **kwargs)
+    ref = serial_train(cfg, steps=kwargs.get("steps", 3), batch=kwargs.get("batch", 8),
+                       seq=kwargs.get("seq", 16), lr=kwargs.get("lr", 1e-2),
+                       seed=kwargs.get("seed", 0), optimizer="adam")
+    got = assemble(results, shape)
+    if set(got) != set(ref["params"]):
+        raise RuntimeError(f"the mesh lost parameters: {set(ref['params']) ^ set(got)}")
+    losses = results[shape.rank(shape.pp - 1, 0, 0)]["loss"]
+    replicas = max((r["params"][n] - results[shape.rank(r["coords"]["pp"], 0, r["coords"]["tp"])]
+                    ["params"][n]).abs().max().item() for r in results for n in r["params"])
+    return {"loss": max(abs(a - b) for a, b in zip(losses, ref["loss"], strict=True)),
+            "params": max((got[n] - ref["params"][n]).abs().max().item() for n in got),
+            "replicas": replicas, "results": results}
