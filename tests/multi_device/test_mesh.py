@@ -73,3 +73,17 @@ def test_bad_plans_refused(kwargs, match):
         check_plan(**args)
     with pytest.raises(ValueError, match="dp"):
         MeshShape(dp=0)
+
+
+@pytest.mark.parametrize("dp, tp", [(2, 2), (1, 2), (2, 1)])
+def test_torch_composable_equals_one_process(dp, tp):
+    """parallelize_module (TP) then fully_shard (FSDP2), torchtitan's order, on gloo."""
+    from parlearn.context_parallel.gpt import serial_train
+    from parlearn.multi_device.mesh.torch_composed import torch_mesh_train
+
+    res = torch_mesh_train(CFG, dp, tp, steps=2, batch=4, seq=8)
+    ref = serial_train(CFG, steps=2, batch=4, seq=8, optimizer="adam")
+    for r in res:
+        assert max(abs(a - b) for a, b in zip(r["loss"], ref["loss"], strict=True)) < TOL
+        assert max((r["params"][n] - ref["params"][n]).abs().max().item()
+                   for n in ref["params"]) < TOL

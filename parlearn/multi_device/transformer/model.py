@@ -93,7 +93,7 @@ class Attention(nn.Module):
         self.q, self.k, self.v, self.o = (nn.Linear(h, h, bias=False) for _ in range(4))
 
     def forward(self, x, mask, cos, sin, selective: bool):
-        b, s, h = x.shape
+        b, s, _ = x.shape
         q, k, v = (lin(x).view(b, s, self.n_heads, -1).transpose(1, 2)
                    for lin in (self.q, self.k, self.v))
         if self.rope:  # rotate each (even, odd) half-pair by its position's angle
@@ -103,7 +103,7 @@ class Attention(nn.Module):
             y = checkpoint(attention_core, q, k, v, mask, use_reentrant=False)
         else:
             y = attention_core(q, k, v, mask)
-        return self.o(y.transpose(1, 2).reshape(b, s, h))
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))  # -1: h, or h/tp under torch TP
 
 
 class MLP(nn.Module):
