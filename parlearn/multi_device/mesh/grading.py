@@ -1,0 +1,98 @@
+"""The planner graded by reality: run its picks of the tiny GPT on real ranks, compare.
+
+:func:`grade` ranks every plan of the tiny GPT on ``world`` gloo ranks with
+:func:`parlearn.mesh.planner.rank_plans` (this machine's hardware card), runs the
+predicted top ``top`` and the predicted worst with :func:`parlearn.mesh.mesh_train`,
+and reports, per plan, the predicted and measured step time and per-rank memory, the
+Kendall rank correlation between predicted and measured step times (1: the planner orders
+them as reality does; 0: no better than chance; -1: backwards) and the largest relative
+memory error. Measured step time: the slowest rank's, median over the steps after the
+first. Measured memory: the largest, over ranks, of the bytes the optimizer holds plus the
+peak of saved activations (saved-tensor hooks). Timings on a machine whose cores the
+ranks share are noisy: the report says how many ranks shared how many cores.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+from parlearn.core.checks import check_int
+from parlearn.multi_device.mesh.composed import mesh_train
+from parlearn.multi_device.mesh.layout import MeshShape
+from parlearn.multi_device.mesh.planner import Cluster, Prediction, TinyGPT, rank_plans
+from parlearn.multi_device.transformer.model import GPTConfig
+
+__all__ = ["kendall_tau", "measure_plan", "grade"]
+
+
+def kendall_tau(xs, ys) -> float:
+    """Kendall's tau-b of two equally long sequences (ties counted as neither)."""
+    if len(xs) != len(ys) or len(xs) < 2:
+        raise ValueError(f"xs and ys need the same length >= 2, got {len(xs)} and {len(ys)}")
+    conc = disc = tx = ty = 0
+    for i in range(len(xs)):
+        for j in range(i + 1, len(xs)):
+            a, b = xs[i] - xs[j], ys[i] - ys[j]
+            if a == 0 and b == 0:
+                continue
+            if a == 0:
+                tx += 1
+            elif b == 0:
+                ty += 1
+            elif (a > 0) == (b > 0):
+                conc += 1
+            else:
+                disc += 1
+    denom = ((conc + disc + tx) * (conc + disc + ty)) ** 0.5
+    return (conc - disc) / denom if denom else 0.0
+
+
+def measure_plan(cfg: GPTConfig, pred: Prediction, batch: int, seq: int, steps: int = 4,
+                 timeout: float = 120) -> dict:
+    """Run ``pred.plan`` with :func:`mesh_train`; ``{"step_s", "memory", "spread"}``."""
+    plan = pred.plan
+    shape = MeshShape(plan.dp, plan.tp, plan.pp)
+    res = mesh_train(cfg, shape, steps=steps, batch=batch, seq=seq,
+                     micro_batches=batch // (plan.dp * plan.micro_batch), zero=plan.zero,
+                     recompute=plan.recompute, timeout=timeout)
+    slowest = [max(r["step_s"][i] for r in res) for i in range(1, steps)]
+    med = statistics.median(slowest)
+    memory = max(r["held"]["params"] + r["held"]["grads"] + r["held"]["optimizer"]
+                 + r["act_peak"] for r in res)
+    return {"step_s": med, "memory": memory,
+            "spread": (max(slowest) - min(slowest)) / med if med else 0.0}
+
+
+def grade(cfg: GPTConfig, card, *, world: int = 4, batch: int = 8, seq: int = 16,
+          top: int = 3, steps: int = 4, progress: bool = True, timeout: float = 120) -> dict:
+    """Rank the tiny GPT's plans on ``world`` ranks with ``card`` (its ``flops`` measured
+    with one thread: each rank runs one), run the top ``top`` and the worst, and compare.
+    Returns ``{"rows": [...], "tau", "memory_error", "ranks", "cores", "card"}``; each row
+    has the plan, predicted and measured step time and memory, and the prediction's parts."""
+    from tqdm.auto import tqdm
+
+    world = check_int("world", world, lo=1)
+    top = check_int("top", top, lo=1)
+    steps = check_int("steps", steps, lo=2)
+    cores = os.cpu_count() or 1
+    cluster = Cluster(card, gpus_per_node=world, share=min(1.0, cores / world))
+    work = TinyGPT(cfg, batch, seq)
+    ranked = [p for p in rank_plans(work, cluster, world, zero=(1,), recompute=("none",))
+              if p.fits]
+    picks = ranked[:top] + ([ranked[-1]] if len(ranked) > top else [])
+    rows = []
+    for i, pred in enumerate(tqdm(picks, desc="running the planner's picks",
+                                  disable=not progress)):
+        got = measure_plan(cfg, pred, batch, seq, steps, timeout)
+        rows.append({"plan": str(pred.plan), "predicted rank": ranked.index(pred) + 1,
+                     "pick": "worst" if i == top else f"top {i + 1}",
+                     "predicted_s": pred.step_s, "measured_s": got["step_s"],
+                     "spread": got["spread"], "predicted_bytes": pred.memory["total"],
+                     "measured_bytes": got["memory"], "parts": pred.time})
+    tau = (kendall_tau([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
+           if len(rows) > 1 else float("nan"))
+    mem_err = max(abs(r["predicted_bytes"] - r["measured_bytes"]) / r["measured_bytes"]
+                  for r in rows)
+    return {"rows": rows, "tau": tau, "memory_error": mem_err, "ranks": world,
+            "cores": cores, "plans_ranked": len(ranked), "card": getattr(card, "name", "")}

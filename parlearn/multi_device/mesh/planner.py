@@ -1,0 +1,339 @@
+"""Which parallelism for this model on this cluster? Enumerate, predict, rank (modeled).
+
+A :class:`Plan` is one point of the space ``(dp, tp, pp, cp, zero stage, recompute,
+micro-batch size)`` with ``dp tp pp cp`` equal to the GPU count. :func:`predict` gives
+its per-GPU memory and step time from a workload (what is trained) and a cluster (what it
+runs on: a hardware card per node, :mod:`parlearn.card`, and one for the links between
+nodes). Every term is a formula, labelled modeled:
+
+- **compute**: ``3 F`` per step for forward and backward (``4 F`` with full
+  recomputation; selective recomputation's extra attention FLOPs are left out), ``F`` the
+  forward FLOPs of the global batch (``2 N + 4 L s h`` per token), split evenly over the
+  GPUs, at the card's sustained matmul rate for the workload's dtype;
+- **pipeline bubble**: the 1F1B makespan stretches each stage's work by ``(M + P - 1) / M``
+  for ``M`` micro-batches (:func:`parlearn.pipeline.bubble_formula`, which the simulator
+  reproduces for equal stages);
+- **TP** (with SP): per layer and micro-batch, 2 all-gathers and 2 reduce-scatters of the
+  ``b s h`` activation forward and the same backward (bytes of an all-reduce each pair);
+- **CP**: ring attention passes every rank's K and V around the ring, ``cp - 1`` hops per
+  layer and micro-batch forward and twice that backward;
+- **PP**: one activation forward and one gradient backward per micro-batch and stage;
+- **DP**: the gradients' reduce-scatter and the parameters' all-gather per step (the
+  bytes of one all-reduce; ZeRO-3 gathers the parameters again for backward: 1.5x) over
+  the ``dp cp`` ranks that hold the same shard;
+
+communication is not overlapped with compute (the model is pessimistic where a real
+framework overlaps DP's reduce-scatter with backward), and a group uses the inter-node
+links as soon as it spans nodes (ranks are numbered tp fastest, then cp, dp, pp). Memory
+comes from :func:`parlearn.memory.estimate` (Llama shapes) or from the exact count of what
+:mod:`parlearn.mesh.composed` keeps (the tiny GPT, :class:`TinyGPT`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from parlearn.core.checks import check_choice, check_int
+from parlearn.multi_device.memory.calculator import PRESETS, LlamaShape, estimate
+from parlearn.multi_device.pipeline.schedules import bubble_formula
+from parlearn.multi_device.transformer.model import GPTConfig, count_params
+from parlearn.multi_device.transformer.train import flops_per_token
+
+__all__ = ["Plan", "Cluster", "Prediction", "LlamaWorkload", "TinyGPT", "plans", "predict",
+           "rank_plans", "PLAYBOOK_MFU"]
+
+RECOMPUTE = ("none", "selective", "full")
+
+# The Ultra-Scale Playbook (Tazi et al., Hugging Face, 2025), "finding the best
+# configuration": the best MFU its ~4000 measured runs reached on H100 nodes, by model size
+# (read off its heat map; rounded). Anchors to print beside modeled picks, not inputs.
+PLAYBOOK_MFU = {"1B": 0.51, "3B": 0.46, "8B": 0.44, "70B": 0.28}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One configuration; ``micro_batch`` sequences per micro-batch per replica."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    zero: int = 1
+    recompute: str = "none"
+    micro_batch: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "cp", "micro_batch"):
+            check_int(name, getattr(self, name), lo=1)
+        check_choice("zero", self.zero, (0, 1, 2, 3))
+        check_choice("recompute", self.recompute, RECOMPUTE)
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def __str__(self) -> str:
+        return (f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp} zero{self.zero} "
+                f"{self.recompute} mb{self.micro_batch}")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``card`` describes one node (its devices, FLOP/s, memory and intra-node links);
+    ``inter`` the links between nodes (None: one node); ``gpus_per_node`` how many
+    devices share the node's links."""
+
+    card: object
+    gpus_per_node: int = 8
+    inter: object | None = None
+    share: float = 1.0  # compute per rank, as a fraction of one device (CPU ranks > cores)
+
+    def link(self, kind: str, nbytes: float, group: int, span: int) -> float:
+        """Seconds of one collective over ``group`` ranks whose ranks lie ``span`` apart."""
+        if group <= 1:
+            return 0.0
+        card = self.card if self.inter is None or group * span <= self.gpus_per_node \
+            else self.inter
+        return card.comm_time(kind, nbytes, group)
+
+
+@dataclass
+class Prediction:
+    plan: Plan
+    memory: dict[str, float]
+    time: dict[str, float]
+    fits: bool
+    mfu: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def step_s(self) -> float:
+        return self.time["total"]
+
+
+# ---------------------------------------------------------------------------------------
+# Workloads: what is trained.
+
+@dataclass(frozen=True)
+class LlamaWorkload:
+    """A Llama-shaped model (:data:`parlearn.memory.PRESETS`), ``batch`` sequences of
+    ``seq`` tokens per step (global), bf16 mixed precision."""
+
+    model: LlamaShape | str
+    batch: int
+    seq: int
+    dtype: str = "bfloat16"
+    elem: int = 2
+
+    def shape(self) -> LlamaShape:
+        return PRESETS[self.model] if isinstance(self.model, str) else self.model
+
+    @property
+    def layers(self) -> int:
+        return self.shape().layers
+
+    @property
+    def hidden(self) -> int:
+        return self.shape().hidden
+
+    def forward_flops(self) -> float:
+        m = self.shape()
+        return self.batch * self.seq * (2 * m.n_params() + 4 * m.layers * self.seq * m.hidden)
+
+    def params(self) -> int:
+        return self.shape().n_params()
+
+    def memory(self, plan: Plan) -> dict[str, float]:
+        return estimate(self.shape(), plan.micro_batch, self.seq, zero_stage=plan.zero,
+                        dp=plan.dp * plan.cp, tp=plan.tp, pp=plan.pp, cp=plan.cp,
+                        recompute=plan.recompute,
+                        micro_batches=self.batch // (plan.dp * plan.micro_batch))
+
+    def kv_bytes(self, plan: Plan) -> float:
+        m = self.shape()
+        return 2 * plan.micro_batch * self.seq / plan.cp * m.kv_heads * m.head_dim * self.elem
+
+    def check(self, plan: Plan) -> str | None:
+        m = self.shape()
+        if m.heads % plan.tp or m.kv_heads % plan.tp:
+            return f"tp={plan.tp} must divide heads={m.heads} and kv_heads={m.kv_heads}"
+        if m.layers % plan.pp:
+            return f"pp={plan.pp} must divide layers={m.layers}"
+        if self.seq % plan.cp:
+            return f"cp={plan.cp} must divide seq={self.seq}"
+        if self.batch % (plan.dp * plan.micro_batch):
+            return (f"batch={self.batch} must divide into dp={plan.dp} x micro_batch="
+                    f"{plan.micro_batch}")
+        return None
+
+
+@dataclass(frozen=True)
+class TinyGPT:
+    """The tiny GPT as :mod:`parlearn.mesh.composed` trains it: float64, Adam, SP on,
+    ZeRO 0/1, recompute none/full, no CP. Memory is its exact count (tested equal to the
+    bytes the ranks hold and the saved-tensor hooks see)."""
+
+    cfg: GPTConfig
+    batch: int
+    seq: int
+    dtype: str = "float64"
+    elem: int = 8
+
+    @property
+    def layers(self) -> int:
+        return self.cfg.n_layers
+
+    @property
+    def hidden(self) -> int:
+        return self.cfg.d_model
+
+    def forward_flops(self) -> float:
+        return self.batch * self.seq * flops_per_token(self.cfg, self.seq, backward=False)
+
+    def params(self) -> int:
+        return count_params(self.cfg)["total"]
+
+    def check(self, plan: Plan) -> str | None:
+        c = self.cfg
+        if plan.cp != 1 or plan.zero > 1 or plan.recompute == "selective":
+            return "the composed mesh runs cp=1, zero 0/1 and recompute none/full"
+        if c.n_layers % plan.pp:
+            return f"pp={plan.pp} must divide n_layers={c.n_layers}"
+        if c.n_heads % plan.tp or c.ff % plan.tp or self.seq % plan.tp:
+            return f"tp={plan.tp} must divide n_heads, the MLP width and seq"
+        if self.batch % (plan.dp * plan.micro_batch):
+            return (f"batch={self.batch} must divide into dp={plan.dp} x micro_batch="
+                    f"{plan.micro_batch}")
+        return None
+
+    def units(self, plan: Plan, stage: int) -> list[int]:
+        """Parameter counts of the modules that own parameters on ``stage`` (one TP shard):
+        ShardedAdam keeps one flat buffer per such module."""
+        c, t = self.cfg, plan.tp
+        h, f = c.d_model, c.ff
+        first, last = stage == 0, stage == plan.pp - 1
+        out = [c.vocab_size * h] if first or last else []
+        if first and c.pos == "learned":
+            out.append(c.max_seq * h)
+        block = [2 * h, h * h // t, h * h // t, h * h // t, h * h // t, 2 * h]  # ln1 q k v o ln2
+        block += [h * f // t] * (3 if c.mlp == "swiglu" else 2)
+        out += block * (c.n_layers // plan.pp)
+        if last:
+            out.append(2 * h)
+        return out
+
+    def states(self, plan: Plan, stage: int) -> dict[str, float]:
+        """Bytes ShardedAdam holds on ``stage``: every unit padded to a multiple of dp."""
+        padded = sum(math.ceil(n / plan.dp) * plan.dp for n in self.units(plan, stage))
+        moments = padded if plan.zero == 0 else padded // plan.dp
+        return {"params": 8 * padded, "grads": 8 * padded, "optimizer": 16 * moments}
+
+    def activations(self, plan: Plan, stage: int) -> float:
+        """Bytes autograd saves for one micro-batch on ``stage`` (float64), term by term:
+        per block the input and LayerNorm statistics on this rank's ``s/tp`` tokens
+        (twice), the gathered LayerNorm outputs (``b s h`` each), q and k after RoPE, v
+        and the attention output (``b s h / tp`` each), the softmax (``a/tp b s^2``), the
+        MLP's hidden activations (GELU: 2, SwiGLU: 4 of ``b s f / tp``); full recompute
+        keeps only each block's input. The last stage adds ln_f and the loss's terms."""
+        c, t, b, s = self.cfg, plan.tp, plan.micro_batch, self.seq
+        h, a, f, V = c.d_model, c.n_heads, c.ff, c.vocab_size
+        sl = s // t
+        if plan.recompute == "full":
+            block = b * sl * h
+        else:
+            hidden = (4 if c.mlp == "swiglu" else 2) * b * s * f // t
+            block = (2 * (b * sl * h + 2 * b * sl) + 2 * b * s * h + 4 * b * s * h // t
+                     + a // t * b * s * s + hidden)
+        out = block * (c.n_layers // plan.pp)
+        if stage == plan.pp - 1:
+            out += b * sl * h + 2 * b * sl + b * sl * h + b * sl * V + 1
+        return 8 * out
+
+    def in_flight(self, plan: Plan, stage: int) -> int:
+        return min(plan.pp - stage, self.batch // (plan.dp * plan.micro_batch))
+
+    def memory(self, plan: Plan) -> dict[str, float]:
+        """The rank with the most bytes: per stage, states plus in-flight activations."""
+        best: dict[str, float] = {}
+        for stage in range(plan.pp):
+            m = self.states(plan, stage)
+            m["activations"] = self.in_flight(plan, stage) * self.activations(plan, stage)
+            m["total"] = sum(m.values())
+            if not best or m["total"] > best["total"]:
+                best = m
+        return best
+
+    def kv_bytes(self, plan: Plan) -> float:
+        return 0.0
+
+
+# ---------------------------------------------------------------------------------------
+# The space, the prediction, the ranking.
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plans(workload, gpus: int, *, zero=(0, 1, 2, 3), recompute=RECOMPUTE, cp: bool = True,
+          micro_batches=None) -> list[Plan]:
+    """Every :class:`Plan` on ``gpus`` GPUs that ``workload`` accepts (shapes divide)."""
+    gpus = check_int("gpus", gpus, lo=1)
+    out = []
+    for tp, pp, c in itertools.product(_divisors(gpus), repeat=3):
+        if gpus % (tp * pp * c) or (c > 1 and not cp):
+            continue
+        dp = gpus // (tp * pp * c)
+        sizes = micro_batches or [b for b in _divisors(workload.batch)
+                                  if workload.batch % (dp * b) == 0]
+        for z, r, b in itertools.product(zero, recompute, sizes):
+            plan = Plan(dp, tp, pp, c, z, r, b)
+            if workload.check(plan) is None:
+                out.append(plan)
+    return out
+
+
+def predict(workload, plan: Plan, cluster: Cluster) -> Prediction:
+    """Modeled memory and step time of ``plan`` (module docstring), and its MFU: model
+    FLOPs ``3 F`` (recomputation not counted) over the step time and the GPUs' rate."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a Plan, got {type(plan).__name__}")
+    why = workload.check(plan)
+    if why is not None:
+        raise ValueError(f"plan {plan} does not fit the workload: {why}")
+    card, e = cluster.card, workload.elem
+    M = workload.batch // (plan.dp * plan.micro_batch)
+    fwd = workload.forward_flops()
+    factor = 4 if plan.recompute == "full" else 3
+    compute = card.compute_time(factor * fwd / plan.gpus, workload.dtype) / cluster.share
+    act = plan.micro_batch * workload.seq / plan.cp * workload.hidden * e
+    per_layer = 2 * (cluster.link("all_gather", act, plan.tp, 1)
+                     + cluster.link("reduce_scatter", act, plan.tp, 1))
+    tp_time = 2 * per_layer * M * workload.layers / plan.pp
+    cp_time = (3 * (plan.cp - 1) * cluster.link("p2p", workload.kv_bytes(plan), 2, plan.tp)
+               * M * workload.layers / plan.pp) if plan.cp > 1 else 0.0
+    pp_time = 2 * M * cluster.link("p2p", act / plan.tp, 2, plan.tp * plan.cp * plan.dp)
+    grads = workload.params() / (plan.tp * plan.pp) * e
+    dp_ranks = plan.dp * plan.cp
+    dp_time = (cluster.link("reduce_scatter", grads, dp_ranks, plan.tp)
+               + cluster.link("all_gather", grads, dp_ranks, plan.tp) * (
+                   2 if plan.zero == 3 else 1))
+    busy = compute + tp_time + cp_time
+    bubble = busy * bubble_formula(plan.pp, M) / (1 - bubble_formula(plan.pp, M))
+    time = {"compute": compute, "tp": tp_time, "cp": cp_time, "pp": pp_time, "dp": dp_time,
+            "bubble": bubble}
+    time["total"] = sum(time.values())
+    memory = workload.memory(plan)
+    peak = card.flops[workload.dtype] * plan.gpus * cluster.share
+    mfu = 3 * fwd / time["total"] / peak
+    return Prediction(plan, memory, time, memory["total"] <= card.memory, mfu)
+
+
+def rank_plans(workload, cluster: Cluster, gpus: int, **space) -> list[Prediction]:
+    """:func:`predict` for every plan of :func:`plans`; those that fit first, fastest first,
+    then those that do not fit, smallest memory first."""
+    preds = [predict(workload, p, cluster) for p in plans(workload, gpus, **space)]
+    if not preds:
+        raise ValueError(f"no plan on gpus={gpus} fits the workload's shapes")
+    return sorted(preds, key=lambda p: (not p.fits, p.step_s if p.fits else p.memory["total"]))
