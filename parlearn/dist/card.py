@@ -43,7 +43,7 @@ from parlearn.core.checks import check_bool, check_choice, check_float, check_in
 from parlearn.core.device import pick_device
 from parlearn.core.device import threads as _threads
 from parlearn.core.settings import is_fast
-from parlearn.core.timing import SPREAD_LIMIT, measure
+from parlearn.core.timing import SPREAD_LIMIT, Timing, measure
 from parlearn.dist.cost import _CANON, KINDS, AlphaBeta, collective_time, fit_alpha_beta
 from parlearn.dist.launch import default_backend
 from parlearn.dist.measure import DEFAULT_SIZES, sweep_collective
@@ -231,8 +231,8 @@ def _round_sizes(sizes: Sequence[int], world_size: int) -> list[int]:
 
 
 def _matmul(dtype: torch.dtype, dev: torch.device, target_s: float, n_max: int,
-            repeat: int) -> tuple[int, object]:
-    """(n, Timing) of ``a @ b`` at the smallest power-of-two n from 128 whose one call
+            repeat: int) -> tuple[int, Timing]:
+    """(n, Timing) of ``a @ a`` at the smallest power-of-two n from 128 whose one call
     takes ``target_s`` (capped at ``n_max``): big enough to run at the sustained rate,
     small enough to stay a few hundred ms on a laptop CPU."""
     n = 128
@@ -266,7 +266,9 @@ def calibrate(world_sizes: Sequence[int] = (2,), kinds: Sequence[str] = LINK_KIN
     world_sizes = [check_int("world_sizes", n, lo=2) for n in world_sizes]
     if not world_sizes:
         raise ValueError("world_sizes must name at least one world size >= 2")
-    kinds = [check_choice("kinds", k, LINK_KINDS) for k in kinds]
+    kinds = list(dict.fromkeys(check_choice("kinds", k, LINK_KINDS) for k in kinds))
+    if not kinds:
+        raise ValueError(f"kinds must name at least one of {list(LINK_KINDS)}")
     dtypes = [check_choice("dtypes", d, DTYPES) for d in dtypes]
     repeat = check_int("repeat", repeat, lo=1)
     if threads is not None:
@@ -276,9 +278,10 @@ def calibrate(world_sizes: Sequence[int] = (2,), kinds: Sequence[str] = LINK_KIN
     if sizes is None:
         sizes = (256, 4096, 65536, 1 << 20) if fast else DEFAULT_SIZES[::4]
     sizes = [check_int("sizes", n, lo=4) for n in sizes]
-    if len(set(sizes)) < 2:
-        raise ValueError(f"sizes must hold at least 2 different sizes to fit alpha and beta, "
-                         f"got {sizes}")
+    rounded = {n: _round_sizes(sizes, n) for n in world_sizes}
+    if any(len(r) < 2 for r in rounded.values()):  # checked before any rank starts
+        raise ValueError(f"sizes must hold at least 2 sizes that differ after rounding to "
+                         f"whole float32 chunks per rank, to fit alpha and beta; got {sizes}")
     repeat = min(repeat, 3) if fast else repeat
     dev = pick_device(device)
 
@@ -287,7 +290,7 @@ def calibrate(world_sizes: Sequence[int] = (2,), kinds: Sequence[str] = LINK_KIN
     with bar:
         for n in world_sizes:
             bar.set_postfix_str(f"collectives on {n} ranks")
-            sw = sweep_collective([_TIMED[k] for k in kinds], _round_sizes(sizes, n), n,
+            sw = sweep_collective([_TIMED[k] for k in kinds], rounded[n], n,
                                   repeat=repeat, timeout=60)
             backends.add(default_backend(n))
             worst = max([worst, *(s for v in sw["spread"].values() for s in v)])

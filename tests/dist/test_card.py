@@ -147,6 +147,10 @@ def test_bad_input_names_the_argument():
         card.calibrate(dtypes=("int8",), progress=False)
     with pytest.raises(ValueError, match="sizes"):
         card.calibrate(sizes=(64,), progress=False)
+    with pytest.raises(ValueError, match="sizes"):  # 8 and 11 B both round to 8 on 2 ranks
+        card.calibrate(sizes=(8, 11), progress=False)
+    with pytest.raises(ValueError, match="kinds"):
+        card.calibrate(kinds=(), progress=False)
     with pytest.raises(ValueError, match="threads"):
         card.calibrate(threads=0, progress=False)
 
