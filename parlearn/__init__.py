@@ -33,7 +33,7 @@ SHORT_NAMES: dict[str, str] = {
     "checks": "core.checks", "viz": "core.viz", "widgets": "core.widgets",
     "datasets": "core.datasets", "models": "core.models", "basics": "core.basics",
     # dist (lesson 10)
-    "collectives": "dist.collectives",
+    "collectives": "dist.collectives", "card": "dist.card",
     # Part 1: training on many devices
     "data_parallel": "multi_device.data_parallel",
     "compression": "multi_device.data_parallel.compression",

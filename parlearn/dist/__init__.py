@@ -11,6 +11,7 @@ module                 what it holds
 ``cost``               the alpha-beta model: closed forms per collective, the fit
 ``collectives``        ring all-reduce from send/recv, and the workers lesson 10 runs
 ``measure``            sweeps of real collectives, the fitted alpha-beta, bench rows
+``card``               a hardware card: measured or modeled alpha-beta, FLOP/s, memory
 ``__main__``           ``python -m parlearn.dist`` / ``torchrun -m parlearn.dist``
 =====================  ====================================================================
 
@@ -18,6 +19,7 @@ The names a notebook uses are re-exported here. Everything in Parts 1-4 that mov
 between ranks builds on this package; it builds only on :mod:`parlearn.core`.
 """
 
+from parlearn.dist.card import Card
 from parlearn.dist.cost import ALGORITHMS, KINDS, AlphaBeta, collective_time, fit_alpha_beta, ring_bytes
 from parlearn.dist.launch import RankError, default_backend, device_for, run
 from parlearn.dist.measure import DEFAULT_SIZES, measure_alpha_beta, sweep_collective
@@ -25,4 +27,4 @@ from parlearn.dist.traffic import Ledger, Record, ledger
 
 __all__ = ["run", "RankError", "device_for", "default_backend", "ledger", "Ledger", "Record",
            "AlphaBeta", "KINDS", "ALGORITHMS", "collective_time", "fit_alpha_beta", "ring_bytes",
-           "sweep_collective", "measure_alpha_beta", "DEFAULT_SIZES"]
+           "sweep_collective", "measure_alpha_beta", "DEFAULT_SIZES", "Card"]

@@ -253,16 +253,25 @@ def plot_collectives(demo: list[dict], axes, kinds: tuple[str, ...] | None = Non
             ax.set_title(f"{kind}: {when}", fontsize=8)
 
 
-TIMED_KINDS = ("all_reduce", "ring_all_reduce", "send")
+TIMED_KINDS = ("all_reduce", "ring_all_reduce", "send", "all_gather", "reduce_scatter",
+               "all_to_all")
+# The kinds whose payload is cut into world_size equal chunks: sizes must divide evenly.
+_CHUNKED = ("all_gather", "reduce_scatter", "all_to_all")
 
 
-def _timed_once(kind: str, x: torch.Tensor, rank: int) -> float:
+def _timed_once(kind: str, x: torch.Tensor, rank: int, out: torch.Tensor) -> float:
     tdist.barrier()
     if x.is_cuda:
         torch.cuda.synchronize(x.device)
     t0 = time.perf_counter()
     if kind == "all_reduce":
         tdist.all_reduce(x)
+    elif kind == "all_gather":  # payload = the gathered output, as the ledger counts it
+        tdist.all_gather_single(out, x[: x.numel() // tdist.get_world_size()])
+    elif kind == "reduce_scatter":  # payload = the input
+        tdist.reduce_scatter_single(out[: x.numel() // tdist.get_world_size()], x)
+    elif kind == "all_to_all":
+        tdist.all_to_all_single(out, x)
     elif kind == "ring_all_reduce":
         ring_all_reduce(x)
     elif rank == 0:  # send: a round trip 0 -> 1 -> 0, halved; other ranks idle
@@ -283,17 +292,29 @@ def time_collectives(rank: int, world_size: int, kinds: tuple[str, ...], sizes: 
     """Worker: seconds of each of ``kinds`` at each payload size in bytes (float32, rounded
     down to whole elements), ``warmup`` untimed then ``repeat`` timed rounds, the kinds
     interleaved within a round; every call starts after a barrier. ``"send"`` is a round
-    trip rank 0 -> 1 -> 0, halved. Returns ``{kind: {bytes: [seconds]}}`` of this rank."""
+    trip rank 0 -> 1 -> 0, halved. The payload of ``all_gather`` is its gathered output, of
+    ``reduce_scatter`` and ``all_to_all`` their input (as :func:`parlearn.dist.ledger` counts
+    them); for these three the elements must divide by ``world_size``.
+    Returns ``{kind: {bytes: [seconds]}}`` of this rank."""
 
     for kind in kinds:
         check_choice("kinds", kind, TIMED_KINDS)
+    if any(k in _CHUNKED for k in kinds):
+        for nbytes in sizes:
+            if (nbytes // 4) % world_size:
+                raise ValueError(f"sizes: {nbytes} bytes is not a whole number of float32 "
+                                 f"chunks per rank for {world_size} ranks (all_gather, "
+                                 f"reduce_scatter, all_to_all); use multiples of "
+                                 f"{4 * world_size}")
     dev = device_for(rank)
     out: dict[str, dict[int, list[float]]] = {k: {} for k in kinds}
     for nbytes in sizes:
         x = torch.ones(max(nbytes // 4, 1), device=dev)
+        # A separate output buffer, allocated once per size so no repeat times an allocation.
+        y = torch.empty_like(x)
         for i in range(warmup + repeat):
             for kind in kinds:
-                t = _timed_once(kind, x, rank)
+                t = _timed_once(kind, x, rank, y)
                 if i >= warmup:
                     out[kind].setdefault(x.numel() * 4, []).append(t)
     return out

@@ -40,6 +40,8 @@ def sweep_collective(kinds: Sequence[str] = ("all_reduce",), sizes: Sequence[int
                      backend: str | None = None, timeout: float = 30) -> dict:
     """Measure ``kinds`` (each of :data:`parlearn.collectives.TIMED_KINDS`) at payload
     ``sizes`` (bytes of float32) on ``world_size`` real ranks, interleaved repeat by repeat.
+    ``all_gather``, ``reduce_scatter`` and ``all_to_all`` need sizes that are multiples of
+    ``4 * world_size`` bytes (equal chunks per rank).
 
     A repeat's time is the slowest rank's (a collective is done when its last rank is).
     Returns ``{"sizes", "world_size", "device", "reliable", "median_s": {kind: [...]},
@@ -51,6 +53,11 @@ def sweep_collective(kinds: Sequence[str] = ("all_reduce",), sizes: Sequence[int
     sizes = [check_int("sizes", n, lo=4) for n in sizes]
     world_size = check_int("world_size", world_size, lo=2)
     repeat, warmup = check_int("repeat", repeat, lo=1), check_int("warmup", warmup, lo=0)
+    chunked = [k for k in kinds if k in ("all_gather", "reduce_scatter", "all_to_all")]
+    odd = [n for n in sizes if (n // 4) % world_size]
+    if chunked and odd:  # checked here too, so the error comes before any rank starts
+        raise ValueError(f"sizes {odd}: {chunked} cut the payload into {world_size} equal "
+                         f"float32 chunks; use multiples of {4 * world_size} bytes")
     backend = default_backend(world_size) if backend is None else backend
     per_rank = run(collectives.time_collectives, world_size, backend=backend, timeout=timeout,
                    args=(tuple(kinds), tuple(sizes), repeat, warmup))

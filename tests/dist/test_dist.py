@@ -362,10 +362,9 @@ def test_torchrun_runs_a_library_worker_on_two_cpu_ranks():
 
 def test_sweep_collective_measures_every_kind_at_every_size():
     sizes = [64, 4096, 65536]
-    sw = dist.sweep_collective(("all_reduce", "ring_all_reduce", "send"), sizes, 2, repeat=3,
-                               timeout=T)
+    sw = dist.sweep_collective(collectives.TIMED_KINDS, sizes, 2, repeat=3, timeout=T)
     assert sw["sizes"] == sizes and sw["world_size"] == 2 and "gloo" in sw["device"]
-    for kind in ("all_reduce", "ring_all_reduce", "send"):
+    for kind in collectives.TIMED_KINDS:
         med, q1, q3 = sw["median_s"][kind], sw["q1_s"][kind], sw["q3_s"][kind]
         assert len(med) == len(sizes)
         assert all(0 < lo <= m <= hi for lo, m, hi in zip(q1, med, q3, strict=True))
@@ -374,6 +373,8 @@ def test_sweep_collective_measures_every_kind_at_every_size():
         dist.sweep_collective(("allreduce",), sizes)
     with pytest.raises(ValueError, match="world_size"):
         dist.sweep_collective(("all_reduce",), sizes, 1)
+    with pytest.raises(ValueError, match="sizes"):  # 68 B = 17 floats: no equal halves
+        dist.sweep_collective(("all_gather",), [68], 2)
 
 
 def test_measure_alpha_beta_on_real_ranks_gives_a_usable_model():
