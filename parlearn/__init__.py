@@ -47,6 +47,7 @@ SHORT_NAMES: dict[str, str] = {
     "context_parallel": "multi_device.context_parallel",
     "moe": "multi_device.moe",
     "mesh": "multi_device.mesh",
+    "planner": "multi_device.mesh.planner",
     # Part 2: beyond backprop's serial chain
     "leapfrog": "serial_chain.leapfrog",
     "multigrid": "serial_chain.multigrid",

@@ -6,7 +6,15 @@ module              what it holds
 ``layout``          :class:`MeshShape`: rank <-> (pp, dp, tp) coordinates, each axis's groups
 ``composed``        the GPT trained on ``pp x dp x tp`` gloo ranks from the course's own
                     pieces (1F1B, Megatron TP + SP, ZeRO-1), equal to one process
+``torch_composed``  the same GPT with torch's ``parallelize_module`` then ``fully_shard``
+                    (torchtitan's order) on a ``dp x tp`` mesh
+``planner``         plans ``(dp, tp, pp, cp, zero, recompute, micro-batch)``, their modeled
+                    memory and step time on a cluster of hardware cards, the ranking
+``grading``         the planner's picks run for real on this machine: Kendall tau, memory
+                    error
 ==================  ======================================================================
+
+The hardware card the planner reads is :mod:`parlearn.card` (``parlearn.dist.card``).
 """
 
 from parlearn.multi_device.mesh.composed import (

@@ -6,10 +6,11 @@ its per-GPU memory and step time from a workload (what is trained) and a cluster
 runs on: a hardware card per node, :mod:`parlearn.card`, and one for the links between
 nodes). Every term is a formula, labelled modeled:
 
-- **compute**: ``3 F`` per step for forward and backward (``4 F`` with full
-  recomputation; selective recomputation's extra attention FLOPs are left out), ``F`` the
-  forward FLOPs of the global batch (``2 N + 4 L s h`` per token), split evenly over the
-  GPUs, at the card's sustained matmul rate for the workload's dtype;
+- **compute**: ``3 F`` per step for forward and backward, ``F`` the forward FLOPs of the
+  global batch (``2 N + 4 L s h`` per token), plus what recomputation repeats (full: ``F``;
+  selective: the attention core's ``4 L s h`` per token), split evenly over the GPUs, at
+  the card's matmul rate for the workload's dtype (a preset card's rate is the datasheet
+  PEAK, so modeled MFU is an upper bound: compare it with the Playbook's measured anchor);
 - **pipeline bubble**: the 1F1B makespan stretches each stage's work by ``(M + P - 1) / M``
   for ``M`` micro-batches (:func:`parlearn.pipeline.bubble_formula`, which the simulator
   reproduces for equal stages);
@@ -142,6 +143,10 @@ class LlamaWorkload:
         m = self.shape()
         return self.batch * self.seq * (2 * m.n_params() + 4 * m.layers * self.seq * m.hidden)
 
+    def attention_flops(self) -> float:
+        m = self.shape()
+        return self.batch * self.seq * 4 * m.layers * self.seq * m.hidden
+
     def params(self) -> int:
         return self.shape().n_params()
 
@@ -191,6 +196,9 @@ class TinyGPT:
 
     def forward_flops(self) -> float:
         return self.batch * self.seq * flops_per_token(self.cfg, self.seq, backward=False)
+
+    def attention_flops(self) -> float:
+        return self.batch * self.seq * 4 * self.cfg.n_layers * self.seq * self.cfg.d_model
 
     def params(self) -> int:
         return count_params(self.cfg)["total"]
@@ -305,8 +313,8 @@ def predict(workload, plan: Plan, cluster: Cluster) -> Prediction:
     card, e = cluster.card, workload.elem
     M = workload.batch // (plan.dp * plan.micro_batch)
     fwd = workload.forward_flops()
-    factor = 4 if plan.recompute == "full" else 3
-    compute = card.compute_time(factor * fwd / plan.gpus, workload.dtype) / cluster.share
+    extra = {"none": 0.0, "selective": workload.attention_flops(), "full": fwd}[plan.recompute]
+    compute = card.compute_time((3 * fwd + extra) / plan.gpus, workload.dtype) / cluster.share
     act = plan.micro_batch * workload.seq / plan.cp * workload.hidden * e
     per_layer = 2 * (cluster.link("all_gather", act, plan.tp, 1)
                      + cluster.link("reduce_scatter", act, plan.tp, 1))
@@ -331,9 +339,10 @@ def predict(workload, plan: Plan, cluster: Cluster) -> Prediction:
 
 
 def rank_plans(workload, cluster: Cluster, gpus: int, **space) -> list[Prediction]:
-    """:func:`predict` for every plan of :func:`plans`; those that fit first, fastest first,
-    then those that do not fit, smallest memory first."""
+    """:func:`predict` for every plan of :func:`plans`; those that fit first, fastest first
+    (ties: least memory first), then those that do not fit, smallest memory first."""
     preds = [predict(workload, p, cluster) for p in plans(workload, gpus, **space)]
     if not preds:
         raise ValueError(f"no plan on gpus={gpus} fits the workload's shapes")
-    return sorted(preds, key=lambda p: (not p.fits, p.step_s if p.fits else p.memory["total"]))
+    return sorted(preds, key=lambda p: (not p.fits, p.step_s if p.fits else 0.0,
+                                        p.memory["total"]))
