@@ -25,7 +25,7 @@ from parlearn.multi_device.mesh.composed import (
     mesh_train,
     mesh_train_worker,
 )
-from parlearn.multi_device.mesh.layout import AXES, MeshShape
+from parlearn.multi_device.mesh.layout import AXES, MeshShape, draw_mesh
 
-__all__ = ["AXES", "MeshShape", "StageGPT", "check_plan", "mesh_train", "mesh_train_worker",
-           "assemble", "mesh_check"]
+__all__ = ["AXES", "MeshShape", "draw_mesh", "StageGPT", "check_plan", "mesh_train",
+           "mesh_train_worker", "assemble", "mesh_check"]

@@ -69,7 +69,9 @@ def grade(cfg: GPTConfig, card, *, world: int = 4, batch: int = 8, seq: int = 16
     """Rank the tiny GPT's plans on ``world`` ranks with ``card`` (its ``flops`` measured
     with one thread: each rank runs one), run the top ``top`` and the worst, and compare.
     Returns ``{"rows": [...], "tau", "memory_error", "ranks", "cores", "card"}``; each row
-    has the plan, predicted and measured step time and memory, and the prediction's parts."""
+    has the plan, predicted and measured step time and memory, the prediction's parts, and
+    the measured run's MFU: model FLOPs ``3 F`` per step over the step time and the cores'
+    rate (the card's one-thread matmul rate times the cores the ranks share)."""
     from tqdm.auto import tqdm
 
     world = check_int("world", world, lo=1)
@@ -81,6 +83,8 @@ def grade(cfg: GPTConfig, card, *, world: int = 4, batch: int = 8, seq: int = 16
     ranked = [p for p in rank_plans(work, cluster, world, zero=(1,), recompute=("none",))
               if p.fits]
     picks = ranked[:top] + ([ranked[-1]] if len(ranked) > top else [])
+    # MFU's denominator: each core at the card's (one-thread) matmul rate.
+    peak = card.flops[work.dtype] * min(world, cores)
     rows = []
     for i, pred in enumerate(tqdm(picks, desc="running the planner's picks",
                                   disable=not progress)):
@@ -89,7 +93,8 @@ def grade(cfg: GPTConfig, card, *, world: int = 4, batch: int = 8, seq: int = 16
                      "pick": "worst" if i == top else f"top {i + 1}",
                      "predicted_s": pred.step_s, "measured_s": got["step_s"],
                      "spread": got["spread"], "predicted_bytes": pred.memory["total"],
-                     "measured_bytes": got["memory"], "parts": pred.time})
+                     "measured_bytes": got["memory"], "parts": pred.time,
+                     "mfu": 3 * work.forward_flops() / got["step_s"] / peak})
     tau = (kendall_tau([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
            if len(rows) > 1 else float("nan"))
     mem_err = max(abs(r["predicted_bytes"] - r["measured_bytes"]) / r["measured_bytes"]

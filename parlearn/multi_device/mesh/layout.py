@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from parlearn.core.checks import check_int
 
-__all__ = ["AXES", "MeshShape"]
+__all__ = ["AXES", "MeshShape", "draw_mesh"]
 
 AXES = ("pp", "dp", "tp")
 
@@ -76,3 +76,34 @@ class MeshShape:
 
     def __str__(self) -> str:
         return f"dp={self.dp} x tp={self.tp} x pp={self.pp}"
+
+
+def draw_mesh(shape: MeshShape, axes) -> None:
+    """Draw the ranks of ``shape`` as a grid (rows: pipeline stages; columns: dp replica,
+    then tp shard), once per axis on ``axes`` (three matplotlib axes), with each of that
+    axis's groups in its own colour."""
+    if not isinstance(shape, MeshShape):
+        raise TypeError(f"shape must be a MeshShape, got {type(shape).__name__}")
+    if len(axes) != 3:
+        raise ValueError(f"axes must hold 3 matplotlib axes (tp, dp, pp), got {len(axes)}")
+    cols = shape.dp * shape.tp
+    for ax, axis in zip(axes, ("tp", "dp", "pp"), strict=True):
+        for colour, group in enumerate(shape.groups(axis)):
+            for r in group:
+                c = shape.coords(r)
+                x, y = c["dp"] * shape.tp + c["tp"], c["pp"]
+                ax.add_patch(plt_rect(x, y, f"C{colour % 10}"))
+                ax.text(x + 0.5, y + 0.5, str(r), ha="center", va="center", color="white",
+                        fontsize=11, fontweight="bold")
+        ax.set(xlim=(0, cols), ylim=(shape.pp, 0), xticks=[i + 0.5 for i in range(cols)],
+               yticks=[i + 0.5 for i in range(shape.pp)], aspect="equal",
+               title=f"{axis} groups ({len(shape.groups(axis))})")
+        ax.set_xticklabels([f"dp{d}\ntp{t}" for d in range(shape.dp) for t in range(shape.tp)],
+                           fontsize=8)
+        ax.set_yticklabels([f"stage {s}" for s in range(shape.pp)], fontsize=8)
+
+
+def plt_rect(x: float, y: float, colour: str):
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((x + 0.05, y + 0.05), 0.9, 0.9, color=colour)
