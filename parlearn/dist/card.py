@@ -367,7 +367,7 @@ _ANCHORS = (
      "source": "NVIDIA DGX H100 user guide / ConnectX-7 datasheet (400 Gb/s NDR)"},
     {"what": "gloo all_reduce, 2 ranks on this project's 2-core dev machine, 16 MB",
      "value": 1.2e9, "unit": "B/s", "convention": "algbw (= busbw at N=2), range 0.7-1.8",
-     "source": "/work/shared/DISTRIBUTED.md (measured, shared cores)"},
+     "source": "measured by the parlearn developers on a 2-core VM (shared cores)"},
 )
 
 
