@@ -210,6 +210,8 @@ def test_grading_report_is_complete():
 
     rep = grade(CFG, _fake_card(), world=2, batch=4, seq=8, top=2, steps=2, progress=False)
     assert len(rep["rows"]) == 3 and rep["rows"][-1]["pick"] == "worst"
+    meshes = [r["plan"].split(" cp")[0] for r in rep["rows"][:-1]]
+    assert len(set(meshes)) == len(meshes)  # the top picks are distinct meshes
     assert -1.0 <= rep["tau"] <= 1.0
     assert rep["memory_error"] == 0.0  # the tiny GPT's memory count is exact
     for row in rep["rows"]:
