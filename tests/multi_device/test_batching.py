@@ -324,3 +324,33 @@ def test_bad_train_arguments_fail_before_any_step(kw, word):
     with pytest.raises((ValueError, TypeError), match=word):
         bt.train(model, bt.RegressionTask(p), **{"batch": 16, **kw})
     assert torch.equal(model.weight, before)
+
+
+def test_b_noise_equals_b_simple_when_the_hessian_is_the_identity():
+    d = 6
+    prob = bt.LinearRegressionProblem(d, noise=0.3, seed=2)
+    task = bt.RegressionTask(prob, seed=1)
+    model = prob.model(torch.full((d,), 0.4, dtype=torch.float64))
+    xh = d ** 0.5 * torch.eye(d, dtype=torch.float64)   # X^T X / d = I: H = I exactly
+    out = bt.measure_noise_scale(model, task, batch=16, reps=20,
+                                 hessian_data=(xh, torch.zeros(d, 1, dtype=torch.float64)))
+    assert out["b_noise"] == pytest.approx(out["b_simple"], rel=1e-12)
+
+
+def test_b_noise_uses_the_hessian_of_the_given_data():
+    """Hessian-vector products against the explicit Hessian X^T X / n of the half-MSE."""
+    d, batch, reps = 5, 8, 7
+    prob = bt.LinearRegressionProblem(d, h=torch.linspace(0.2, 3.0, d), noise=0.5, seed=0)
+    task = bt.RegressionTask(prob, seed=4)
+    model = prob.model(torch.linspace(-1, 1, d, dtype=torch.float64))
+    xh, yh = prob.sample(50, torch.Generator().manual_seed(9))
+    H = xh.T @ xh / len(xh)
+    hg = ht = 0.0
+    for r in range(reps):
+        x, y = task.draw(1_000_000 + r, batch)
+        a, b = bt.half_gradients(model, task.loss_fn, x, y)
+        hg += float(a @ H @ b)
+        ht += batch * float((a - b) @ H @ (a - b)) / 4
+    out = bt.measure_noise_scale(model, task, batch=batch, reps=reps, hessian_data=(xh, yh))
+    assert out["b_noise"] == pytest.approx(ht / hg, rel=1e-10)
+    assert model.weight.grad is None

@@ -195,22 +195,48 @@ def monte_carlo_halves(problem: LinearRegressionProblem, w: torch.Tensor, batch:
     return out
 
 
+def _hvp(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor
+         ) -> torch.Tensor:
+    """``H v`` for the Hessian ``H`` of the mean loss over ``(x, y)`` (double backward; the
+    model's ``.grad`` is not touched)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss_fn(model(x), y), params, create_graph=True)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    return torch.cat([h.reshape(-1) for h in torch.autograd.grad(flat @ v, params)])
+
+
 def measure_noise_scale(model: nn.Module, task, batch: int, reps: int, *,
-                        first_draw: int = 1_000_000) -> dict:
+                        first_draw: int = 1_000_000,
+                        hessian_data: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
     """``B_simple`` of ``model`` on ``task`` at its current parameters, from ``reps``
     batches of ``batch`` (draws ``first_draw``, ``first_draw + 1``, ...: apart from the
     training draws): the ratio of the mean ``tr Sigma`` and ``|G|^2`` estimates, with the
-    mean cosine of the halves. The model is not changed."""
+    mean cosine of the halves. The model is not changed.
+
+    With ``hessian_data = (x, y)``, also McCandlish's ``B_noise = tr(H Sigma) / G^T H G``
+    for ``H`` the Hessian of the mean loss over those examples (the training split, for a
+    task that draws from it), from the same halves: ``E[(a-b)^T H (a-b)] = 4 tr(H Sigma)/B``
+    and ``E[a^T H b] = G^T H G`` (independent halves), two Hessian-vector products a batch;
+    the result's ``"b_noise"`` is the ratio of the two means, as for ``B_simple``."""
     check_module("model", model)
     batch = check_int("batch", batch, lo=2)
     reps = check_int("reps", reps, lo=1)
-    g2 = trace = cos = 0.0
+    g2 = trace = cos = hg = htrace = 0.0
     for r in range(reps):
         x, y = task.draw(first_draw + r, batch)
-        s = two_half_stats(*half_gradients(model, task.loss_fn, x, y), batch)
+        a, b = half_gradients(model, task.loss_fn, x, y)
+        s = two_half_stats(a, b, batch)
         g2, trace, cos = g2 + s.g2 / reps, trace + s.trace / reps, cos + s.cos / reps
-    return {"b_simple": trace / g2 if g2 > 0 else math.inf, "g2": g2, "trace": trace,
-            "cos": cos}
+        if hessian_data is not None:
+            ha = _hvp(model, task.loss_fn, *hessian_data, a)
+            hb = _hvp(model, task.loss_fn, *hessian_data, b)
+            hg += float(a @ hb) / reps
+            htrace += batch * float((a - b) @ (ha - hb)) / 4 / reps
+    out = {"b_simple": trace / g2 if g2 > 0 else math.inf, "g2": g2, "trace": trace,
+           "cos": cos}
+    if hessian_data is not None:
+        out.update(b_noise=htrace / hg if hg > 0 else math.inf, gHg=hg, trace_h=htrace)
+    return out
 
 
 class NoiseScale:
