@@ -17,6 +17,7 @@ __all__ = [
     "plot_measured_sweep",
     "plot_modeled",
     "mark_reliability",
+    "log_ticks",
     "timeline",
     "convergence",
 ]
@@ -69,14 +70,55 @@ def plot_measured_sweep(ax, sweep: dict, name: str, *, key: str = "speedup", **k
     return out
 
 
+_WARNING_GID = "parlearn-unreliable"
+
+
 def mark_reliability(ax, reliable: bool) -> None:
-    """Write the 'not reliable' warning across ``ax`` when a measurement's spread was too wide."""
+    """Write the 'not reliable' warning under ``ax`` when a measurement's spread was too wide.
+
+    The warning hangs below the x-axis label (it follows the label wherever ticks and
+    labels put it), never over the data; ``tight_layout`` and the notebook's tight
+    bounding box make room for it. Once per axes, however many curves call it.
+    """
     from parlearn.core.timing import UNRELIABLE
 
-    if not reliable:
-        ax.text(0.5, 0.5, "WARNING: " + UNRELIABLE.replace("; ", ";\n"),
-                transform=ax.transAxes, ha="center", va="center", color="red", fontsize=9,
-                alpha=0.8, bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "red"})
+    if reliable or any(t.get_gid() == _WARNING_GID for t in ax.texts):
+        return
+    # xycoords=the label artist: (0.5, 0) is the middle of the label's bottom edge, read at
+    # draw time, so a label set after this call (the usual order) is still above it.
+    ax.annotate("WARNING: " + UNRELIABLE.replace("; ", ";\n"), xy=(0.5, 0.0),
+                xycoords=ax.xaxis.label, xytext=(0, -4), textcoords="offset points",
+                ha="center", va="top", color="red", fontsize=9, gid=_WARNING_GID,
+                annotation_clip=False)
+
+
+def log_ticks(ax, axis: str = "y") -> None:
+    """Readable tick labels on a log-scaled ``axis`` (``"x"``, ``"y"`` or ``"both"``) of
+    ``ax``, whatever range its data span.
+
+    Matplotlib labels only powers of ten once minor ticks are off, so an axis spanning less
+    than a decade shows one label ("10^0") or none. Here ticks sit at 1, 2 and 5 times each
+    power of ten while the axis spans at most three decades (at 1, 2, ..., 9 times under
+    one decade), labelled as plain numbers ("0.5", "2", "20"); wider axes keep the powers
+    of ten, which then give several labels. Call it after plotting and setting the scale:
+    it reads the limits.
+    """
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    if axis not in ("x", "y", "both"):
+        raise ValueError(f"axis must be 'x', 'y' or 'both', got {axis!r}")
+    for name in ("x", "y") if axis == "both" else (axis,):
+        if getattr(ax, f"get_{name}scale")() != "log":
+            raise ValueError(f"ax's {name} axis is not log-scaled")
+        lo, hi = sorted(getattr(ax, f"get_{name}lim")())
+        decades = np.log10(hi / lo)
+        if decades > 3:
+            continue
+        subs = tuple(range(1, 10)) if decades < 1 else (1.0, 2.0, 5.0)
+        target = ax.xaxis if name == "x" else ax.yaxis
+        target.set_major_locator(LogLocator(base=10, subs=subs))
+        target.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+        target.set_minor_formatter(NullFormatter())
 
 
 def plot_modeled(ax, x, y, *, name: str, formula: str, **kw):
