@@ -74,22 +74,40 @@ _WARNING_GID = "parlearn-unreliable"
 
 
 def mark_reliability(ax, reliable: bool) -> None:
-    """Write the 'not reliable' warning under ``ax`` when a measurement's spread was too wide.
+    """Write the 'not reliable' warning above ``ax`` when a measurement's spread was too wide.
 
-    The warning hangs below the x-axis label (it follows the label wherever ticks and
-    labels put it), never over the data; ``tight_layout`` and the notebook's tight
-    bounding box make room for it. Once per axes, however many curves call it.
+    The warning sits just above the axes and their titles (read at draw time, so titles set
+    after this call, the usual order, stay under it), never over the data, and out of the
+    way of legends placed under or beside the axes; ``tight_layout`` and the notebook's
+    tight bounding box make room for it. Once per axes, however many curves call it.
     """
     from parlearn.core.timing import UNRELIABLE
 
     if reliable or any(t.get_gid() == _WARNING_GID for t in ax.texts):
         return
-    # xycoords=the label artist: (0.5, 0) is the middle of the label's bottom edge, read at
-    # draw time, so a label set after this call (the usual order) is still above it.
-    ax.annotate("WARNING: " + UNRELIABLE.replace("; ", ";\n"), xy=(0.5, 0.0),
-                xycoords=ax.xaxis.label, xytext=(0, -4), textcoords="offset points",
-                ha="center", va="top", color="red", fontsize=9, gid=_WARNING_GID,
+    ax.annotate("WARNING: " + UNRELIABLE.replace("; ", ";\n"), xy=(0.5, 1.0),
+                xycoords=_axes_and_titles(ax), xytext=(0, 3), textcoords="offset points",
+                ha="center", va="bottom", color="red", fontsize=9, gid=_WARNING_GID,
                 annotation_clip=False)
+
+
+def _axes_and_titles(ax):
+    """A callable matplotlib accepts as ``xycoords``: the box around ``ax`` and its non-empty
+    titles (centre, left, right), in display units, computed at draw time."""
+    from matplotlib.transforms import Bbox
+
+    def box(renderer):
+        boxes = [ax.get_window_extent(renderer)]
+        # Only titles that show: a hidden one reports the unit box at the figure's corner,
+        # and matplotlib may park an empty one far above (it lines the titles up with a
+        # hidden one it moved); its own tight box leaves empty boxes out too.
+        for name in ("title", "_left_title", "_right_title"):
+            title = getattr(ax, name, None)
+            if title is not None and title.get_visible() and title.get_text():
+                boxes.append(title.get_window_extent(renderer))
+        return Bbox.union(boxes)
+
+    return box
 
 
 def log_ticks(ax, axis: str = "y") -> None:

@@ -28,28 +28,39 @@ def _extent(artist, renderer):
     return artist.get_window_extent(renderer)
 
 
-def test_reliability_warning_sits_under_the_axes_never_over_the_data():
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3))
-    for ax in axes:
-        ax.plot([1, 2, 3], [3, 1, 2], marker="o")
+def test_reliability_warning_sits_above_the_axes_never_over_the_data():
+    fig, axes = plt.subplots(1, 3, figsize=(10, 5))
+    for i, ax in enumerate(axes):
+        ax.plot([1, 2, 3], [3, 1, 2], marker="o", label="a curve")
         viz.mark_reliability(ax, False)
         viz.mark_reliability(ax, False)          # a second curve: still one warning
         ax.set_xlabel("layers N")                # set after the call, as lessons do
-        ax.set_title("a title")
+        if i == 0:
+            ax.set_title("a title\non two lines")
+        elif i == 1:
+            ax.set_title("left", loc="left")
+        else:                                    # a hidden title must not pull it aside
+            ax.set_title("hidden")
+            ax.title.set_visible(False)
+        # Lessons put legends under the axes: the warning must not land there.
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2))
     viz.mark_reliability(axes[1], True)
     fig.tight_layout()
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
-    for ax in axes:
+    for i, ax in enumerate(axes):
         (warning,) = [t for t in ax.texts if "WARNING" in t.get_text()]
         assert timing.UNRELIABLE.split(";")[0] in warning.get_text()
-        box, data, label = (_extent(warning, renderer), ax.get_window_extent(renderer),
-                            _extent(ax.xaxis.label, renderer))
-        assert box.y1 <= label.y0 + 1e-6         # below the x label
-        assert box.y1 < data.y0                  # so nowhere over the plotting area
-        tight = fig.get_tightbbox(renderer)      # and inside what the notebook shows
-        dpi = fig.dpi
-        assert box.y0 >= tight.y0 * dpi - 1 and box.x0 >= tight.x0 * dpi - 1
+        box, data = _extent(warning, renderer), ax.get_window_extent(renderer)
+        assert box.y0 >= data.y1                 # above the plotting area
+        title = ax.title if i != 1 else ax._left_title
+        if i < 2:
+            assert box.y0 >= _extent(title, renderer).y1 - 1e-6   # and above the title
+        legend = _extent(ax.get_legend(), renderer)
+        assert box.y0 > legend.y1                # clear of the legend under the axes
+        tight = fig.get_tightbbox(renderer)      # inside what the notebook shows
+        assert box.y1 <= tight.y1 * fig.dpi + 1
+        assert data.x0 - 1 <= (box.x0 + box.x1) / 2 <= data.x1 + 1   # centred on its axes
     plt.close("all")
 
 
