@@ -311,7 +311,10 @@ def _worker_odd(rank: int, world_size: int, stage: int, steps: int) -> dict:
         params.append(opt.full_parameters())
     opt.remove_hooks()
     return {"params": params, "frozen_grads": [p.grad for p in frozen],
-            "unit_numel": sum(u.layout.numel for u in opt.units)}
+            "unit_numel": sum(u.layout.numel for u in opt.units),
+            "held_params": opt.held_bytes()["params"],
+            "unit_param_numel": sum(u.layout.shard_numel if stage == 3 else u.layout.padded
+                                    for u in opt.units)}
 
 
 @pytest.mark.parametrize("stage", S.STAGES)
@@ -337,3 +340,5 @@ def test_frozen_and_tied_parameters_train_like_torch_adam(stage):
     for out in ranks:
         assert out["frozen_grads"] == [None, None, None]   # no gradient made for them
         assert out["unit_numel"] == n_trainable     # the tied weight is held (and Adam'd) once
+        # What the rank holds: its units' buffers (or shards in stage 3) plus the frozen ones.
+        assert out["held_params"] == 8 * (out["unit_param_numel"] + n_frozen)

@@ -342,9 +342,12 @@ class ShardedAdam:
         return torch.cat(parts)
 
     def held_bytes(self) -> dict[str, int]:
-        """Bytes of parameters, gradients and optimizer state this rank holds right now."""
+        """Bytes of parameters, gradients and optimizer state this rank holds right now
+        (frozen parameters included: every rank holds them whole)."""
         units = self.units
-        params = [u.flat_param for u in units] + [u.param_shard for u in units]
+        mine = {id(p) for u in units for p in u.params}
+        frozen = [p for p in self.model.parameters() if id(p) not in mine]
+        params = [u.flat_param for u in units] + [u.param_shard for u in units] + frozen
         grads = ([u.flat_grad for u in units] + [u.grad_shard for u in units]
                  + [p.grad for u in units for p in u.params if self.stage >= 2])
         optim = [u.exp_avg for u in units] + [u.exp_avg_sq for u in units]
