@@ -172,3 +172,10 @@ def test_the_probe_leaves_the_global_rng_and_the_model_alone():
     assert all(d == torch.float64 for _, d in shapes)
     assert torch.equal(torch.random.get_rng_state(), state)
     assert torch.equal(model[2].running_mean, stats)
+
+
+def test_layer_costs_measure_a_frozen_layer(odd):
+    model, x, _, _ = odd
+    costs = pl.layer_costs(model, x, repeat=1)
+    assert len(costs) == len(model) and all(c > 0 for c in costs)
+    assert all(p.grad is None for p in model.parameters())   # the caller's .grad untouched
