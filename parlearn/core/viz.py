@@ -17,6 +17,7 @@ __all__ = [
     "plot_measured_sweep",
     "plot_modeled",
     "mark_reliability",
+    "log_ticks",
     "timeline",
     "convergence",
 ]
@@ -69,14 +70,73 @@ def plot_measured_sweep(ax, sweep: dict, name: str, *, key: str = "speedup", **k
     return out
 
 
+_WARNING_GID = "parlearn-unreliable"
+
+
 def mark_reliability(ax, reliable: bool) -> None:
-    """Write the 'not reliable' warning across ``ax`` when a measurement's spread was too wide."""
+    """Write the 'not reliable' warning above ``ax`` when a measurement's spread was too wide.
+
+    The warning sits just above the axes and their titles (read at draw time, so titles set
+    after this call, the usual order, stay under it), never over the data, and out of the
+    way of legends placed under or beside the axes; ``tight_layout`` and the notebook's
+    tight bounding box make room for it. Once per axes, however many curves call it.
+    """
     from parlearn.core.timing import UNRELIABLE
 
-    if not reliable:
-        ax.text(0.5, 0.5, "WARNING: " + UNRELIABLE.replace("; ", ";\n"),
-                transform=ax.transAxes, ha="center", va="center", color="red", fontsize=9,
-                alpha=0.8, bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "red"})
+    if reliable or any(t.get_gid() == _WARNING_GID for t in ax.texts):
+        return
+    ax.annotate("WARNING: " + UNRELIABLE.replace("; ", ";\n"), xy=(0.5, 1.0),
+                xycoords=_axes_and_titles(ax), xytext=(0, 3), textcoords="offset points",
+                ha="center", va="bottom", color="red", fontsize=9, gid=_WARNING_GID,
+                annotation_clip=False)
+
+
+def _axes_and_titles(ax):
+    """A callable matplotlib accepts as ``xycoords``: the box around ``ax`` and its non-empty
+    titles (centre, left, right), in display units, computed at draw time."""
+    from matplotlib.transforms import Bbox
+
+    def box(renderer):
+        boxes = [ax.get_window_extent(renderer)]
+        # Only titles that show: a hidden one reports the unit box at the figure's corner,
+        # and matplotlib may park an empty one far above (it lines the titles up with a
+        # hidden one it moved); its own tight box leaves empty boxes out too.
+        for name in ("title", "_left_title", "_right_title"):
+            title = getattr(ax, name, None)
+            if title is not None and title.get_visible() and title.get_text():
+                boxes.append(title.get_window_extent(renderer))
+        return Bbox.union(boxes)
+
+    return box
+
+
+def log_ticks(ax, axis: str = "y") -> None:
+    """Readable tick labels on a log-scaled ``axis`` (``"x"``, ``"y"`` or ``"both"``) of
+    ``ax``, whatever range its data span.
+
+    Matplotlib labels only powers of ten once minor ticks are off, so an axis spanning less
+    than a decade shows one label ("10^0") or none. Here ticks sit at 1, 2 and 5 times each
+    power of ten while the axis spans at most three decades (at 1, 2, ..., 9 times under
+    one decade), labelled as plain numbers ("0.5", "2", "20"); wider axes keep the powers
+    of ten, which then give several labels. Call it after plotting and setting the scale:
+    it reads the limits.
+    """
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    if axis not in ("x", "y", "both"):
+        raise ValueError(f"axis must be 'x', 'y' or 'both', got {axis!r}")
+    for name in ("x", "y") if axis == "both" else (axis,):
+        if getattr(ax, f"get_{name}scale")() != "log":
+            raise ValueError(f"ax's {name} axis is not log-scaled")
+        lo, hi = sorted(getattr(ax, f"get_{name}lim")())
+        decades = np.log10(hi / lo)
+        if decades > 3:
+            continue
+        subs = tuple(range(1, 10)) if decades < 1 else (1.0, 2.0, 5.0)
+        target = ax.xaxis if name == "x" else ax.yaxis
+        target.set_major_locator(LogLocator(base=10, subs=subs))
+        target.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+        target.set_minor_formatter(NullFormatter())
 
 
 def plot_modeled(ax, x, y, *, name: str, formula: str, **kw):

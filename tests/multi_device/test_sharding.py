@@ -266,3 +266,79 @@ def test_bench_quick_rows_report_memory_measured_equal_to_model():
     rows = S.bench(torch.device("cpu"), True)
     assert [r.variant for r in rows] == ["ZeRO-1 step", "ZeRO-2 step", "ZeRO-3 step"]
     assert all(r.met for r in rows) and all(r.ratio > 0 for r in rows)
+
+
+# --- models a user brings: frozen layers, tied weights, LayerNorm, GELU ----------------------
+
+def _odd_model() -> torch.nn.Sequential:
+    """A frozen layer, a layer whose bias alone is frozen, two layers sharing one weight,
+    LayerNorm and GELU: shapes the sharding stages must handle beside plain MLPs."""
+    nn = torch.nn
+    model = nn.Sequential(nn.Linear(5, 6), nn.LayerNorm(6), nn.GELU(), nn.Linear(6, 6),
+                          nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6),
+                          nn.Linear(6, 3)).double()
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) / 2)
+    model[3].requires_grad_(False)             # a frozen layer
+    model[8].bias.requires_grad_(False)        # a module with one frozen parameter
+    model[7].weight = model[5].weight          # tied: one tensor used by two layers
+    return model
+
+
+def _odd_data(step: int):
+    gen = torch.Generator().manual_seed(100 + step)
+    return (torch.randn(8, 5, generator=gen, dtype=torch.float64),
+            torch.randn(8, 3, generator=gen, dtype=torch.float64))
+
+
+def _odd_loss(model, x, y):
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _worker_odd(rank: int, world_size: int, stage: int, steps: int) -> dict:
+    model = _odd_model()
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    opt = S.ShardedAdam(model, stage=stage, lr=0.05)
+    params = [opt.full_parameters()]
+    for step in range(steps):
+        x, y = _odd_data(step)
+        rows = slice(rank * len(x) // world_size, (rank + 1) * len(x) // world_size)
+        opt.zero_grad()
+        _odd_loss(model, x[rows], y[rows]).backward()
+        opt.step()
+        params.append(opt.full_parameters())
+    opt.remove_hooks()
+    return {"params": params, "frozen_grads": [p.grad for p in frozen],
+            "unit_numel": sum(u.layout.numel for u in opt.units),
+            "held_params": opt.held_bytes()["params"],
+            "unit_param_numel": sum(u.layout.shard_numel if stage == 3 else u.layout.padded
+                                    for u in opt.units)}
+
+
+@pytest.mark.parametrize("stage", S.STAGES)
+def test_frozen_and_tied_parameters_train_like_torch_adam(stage):
+    from parlearn import dist
+
+    steps = 3
+    model = _odd_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05, foreach=False)
+    serial = {"params": [torch.nn.utils.parameters_to_vector(model.parameters()).clone()]}
+    for step in range(steps):
+        opt.zero_grad()
+        _odd_loss(model, *_odd_data(step)).backward()
+        opt.step()
+        serial["params"].append(
+            torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone())
+    n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    moved = (serial["params"][-1] - serial["params"][0]) != 0
+    assert int((~moved).sum()) == n_frozen          # frozen stay, every other one moves
+    ranks = dist.run(_worker_odd, 2, args=(stage, steps), backend="gloo", timeout=30)
+    _assert_equal_to_serial(ranks, serial)
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    for out in ranks:
+        assert out["frozen_grads"] == [None, None, None]   # no gradient made for them
+        assert out["unit_numel"] == n_trainable     # the tied weight is held (and Adam'd) once
+        # What the rank holds: its units' buffers (or shards in stage 3) plus the frozen ones.
+        assert out["held_params"] == 8 * (out["unit_param_numel"] + n_frozen)

@@ -30,6 +30,34 @@ def test_megatron_scratch_and_dtensor_equal_unsharded_block(world_size):
         assert (count, got) == (1, nbytes)
 
 
+@pytest.mark.parametrize("act", [torch.nn.Tanh(), torch.nn.ReLU(),
+                                 torch.nn.GELU(approximate="tanh"), torch.nn.LeakyReLU(0.3)],
+                         ids=["tanh", "relu", "gelu-tanh", "leaky"])
+def test_megatron_uses_the_blocks_own_activation(act):
+    # A user's block with another activation than the default GELU: the sharded output and
+    # every gradient must equal that block's, not a GELU block's.
+    res = tp.megatron_check(2, batch=4, d_model=8, d_hidden=16, timeout=T, activation=act)
+    assert res["scratch"] < 1e-12
+    assert res["dtensor"] < 1e-12
+
+
+def test_megatron_refuses_blocks_it_cannot_split_exactly():
+    lin1, lin2 = torch.nn.Linear(4, 6), torch.nn.Linear(6, 4)
+    # Not elementwise (mixes hidden features), or a parameter/random mask per rank.
+    for act in (torch.nn.Softmax(dim=-1), torch.nn.LayerNorm(6), torch.nn.PReLU(),
+                torch.nn.Dropout(0.1)):
+        with pytest.raises(ValueError, match=r"full\[1\]"):
+            tp.MegatronMLP(torch.nn.Sequential(lin1, act, lin2), 0, 2)
+    with pytest.raises(TypeError, match="full"):
+        tp.MegatronMLP(torch.nn.Sequential(lin1, torch.nn.ReLU()), 0, 2)
+    with pytest.raises(TypeError, match=r"full\[2\]"):
+        tp.MegatronMLP(torch.nn.Sequential(lin1, torch.nn.ReLU(), torch.nn.Tanh()), 0, 2)
+    with pytest.raises(ValueError, match=r"full\[0\].out_features"):
+        tp.MegatronMLP(torch.nn.Sequential(lin1, torch.nn.ReLU(), torch.nn.Linear(8, 4)), 0, 2)
+    with pytest.raises(ValueError, match=r"full\[1\]"):   # before any rank starts
+        tp.megatron_check(2, activation=torch.nn.Softmax(dim=-1))
+
+
 def test_split_layers_refuse_widths_the_ranks_cannot_share():
     full = torch.nn.Linear(6, 5)
     with pytest.raises(ValueError, match="divisible"):

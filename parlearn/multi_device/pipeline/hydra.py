@@ -15,12 +15,14 @@ import torch
 from torch import nn
 
 from parlearn.core.checks import check_choice, check_float, check_int, check_module, check_tensor
+from parlearn.multi_device.pipeline.partition import split_layers
 from parlearn.multi_device.pipeline.runtime import (
     _check_pipeline_args,
-    _in_width,
+    _check_ties,
     _preimport,
     _run_orders,
     _stage_layers,
+    _trainable,
     reference_grads,
 )
 from parlearn.multi_device.pipeline.schedules import SCHEDULES, Op, schedule
@@ -42,18 +44,20 @@ def hydra_schedule(kind: str, stages: int, micro_batches: int, models: int) -> l
 
 def _worker_hydra(rank: int, world: int, kind: str, models: list[nn.Sequential],
                   data: list[tuple[torch.Tensor, torch.Tensor]], counts: Sequence[int], m: int,
-                  steps: int, lr: float) -> list[list[torch.Tensor]]:
+                  steps: int, lr: float, specs_in: list[list]) -> list[list[torch.Tensor]]:
     layers = [_stage_layers(model, counts, rank) for model in models]
     order = hydra_schedule(kind, world, m, len(models))[rank]
     xs, ys = [d[0] for d in data], [d[1] for d in data]
-    widths = [_in_width(model, counts, rank) for model in models]
     for _ in range(steps):
-        _run_orders(rank, world, order, layers, xs, ys, m, kind == "zb", widths)
+        _run_orders(rank, world, order, layers, xs, ys, m, kind == "zb",
+                    [specs[rank] for specs in specs_in])
         with torch.no_grad():   # plain SGD on this rank's shard of every model
-            for p in (p for lays in layers for lay in lays for p in lay.parameters()):
+            for p in (p for lays in layers for p in _trainable(lays)):
                 p -= lr * p.grad
                 p.grad = None
-    return [[p.detach().clone() for lay in lays for p in lay.parameters()] for lays in layers]
+    # Every parameter (frozen too), each once: the order of the model's parameters().
+    return [[p.detach().clone() for p in nn.Sequential(*lays).parameters()]
+            for lays in layers]
 
 
 def _check_hydra(models, data, steps, lr):
@@ -81,13 +85,18 @@ def hydra_train(models: Sequence[nn.Sequential], data: Sequence[tuple[torch.Tens
     interleaved by :func:`hydra_schedule`. Returns trained copies (the inputs untouched)."""
     check_choice("kind", kind, SCHEDULES)
     steps, lr = _check_hydra(models, data, steps, lr)
-    stages, counts = _check_pipeline_args(models[0], data[0][0], data[0][1], stages, counts)
+    specs_in = []
+    for model, (x, y) in zip(models, data, strict=True):
+        stages, counts, specs = _check_pipeline_args(model, x, y, stages, counts)
+        bounds = split_layers(len(model), counts)
+        _check_ties(model, bounds)
+        specs_in.append([specs[a] for a, _ in bounds])
     m = check_int("micro_batches", micro_batches, lo=1, hi=min(len(x) for x, _ in data))
     from parlearn import dist
 
     _preimport()
     per_rank = dist.run(_worker_hydra, stages,
-                        args=(kind, list(models), list(data), counts, m, steps, lr),
+                        args=(kind, list(models), list(data), counts, m, steps, lr, specs_in),
                         backend="gloo", timeout=timeout, deadline=4 * timeout)
     trained = []
     for i, model in enumerate(models):
@@ -111,7 +120,7 @@ def hydra_reference(models: Sequence[nn.Sequential],
         for _ in range(steps):
             grads = reference_grads(new, x, y)
             with torch.no_grad():
-                for p, g in zip(new.parameters(), grads, strict=True):
+                for p, g in zip(_trainable([new]), grads, strict=True):
                     p -= lr * g
         trained.append(new)
     return trained

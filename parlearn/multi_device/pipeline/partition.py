@@ -1,7 +1,9 @@
 """Cutting the layers into stages: the equal split, and balanced by measured cost (LAMP).
 
 A partition is a list of layer counts, one per stage (:func:`split_layers` turns it into
-layer ranges). :func:`partition_equal` is the naive split; :func:`partition_balanced` the
+layer ranges). The private helpers at the end serve the runtimes: the shape and dtype of
+what each stage receives, probed from the data, and the refusal of a weight tied across a
+cut. :func:`partition_equal` is the naive split; :func:`partition_balanced` the
 contiguous split whose slowest stage is fastest, from per-layer costs such as the
 measured :func:`layer_costs`, in the spirit of LAMP.
 """
@@ -90,9 +92,70 @@ def layer_costs(model: nn.Sequential, x: torch.Tensor, *, repeat: int = 5) -> li
 
         def step(layer=layer_copy, inp=inp):
             out = layer(inp)
-            torch.autograd.grad(out.sum(), [inp, *layer.parameters()])
+            # Frozen parameters take no gradient (autograd refuses them).
+            torch.autograd.grad(out.sum(), [inp, *(p for p in layer.parameters()
+                                                   if p.requires_grad)])
 
         costs.append(measure(step, warmup=1, repeat=repeat, threads=1).median)
         with torch.no_grad():
             h = layer(h)
     return costs
+
+
+# ---------------------------------------------------------------------------------------
+# What a cut must respect: the shapes each stage receives, weights tied across stages.
+
+def _trainable(layers: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """The parameters of ``layers`` that take a gradient, each once (a weight tied between
+    two layers is one tensor), in ``parameters()`` order: what a stage trains."""
+    seen: set[int] = set()
+    out = []
+    for layer in layers:
+        for p in layer.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def _probe(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor
+           ) -> list[tuple[torch.Size, torch.dtype]]:
+    """Per-row shape and dtype of every layer's input, then of the model's output: what
+    each stage receives, found from the data (a stage may begin with any layer, not only
+    an ``nn.Linear`` whose ``in_features`` would tell). Runs copies of the layers one by one
+    on the first rows of ``x``, here, before any rank starts, so a model that cannot run
+    is refused naming its layer; the global RNG and the layers' buffers are untouched."""
+    h = x[:2].detach()
+    specs = [(h.shape[1:], h.dtype)]
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        for i, layer in enumerate(model):
+            try:
+                out = copy.deepcopy(layer)(h)
+            except Exception as err:
+                raise ValueError(f"model[{i}] ({type(layer).__name__}) fails on the "
+                                 f"activations x gives it: {err}") from err
+            if not isinstance(out, torch.Tensor) or out.dim() < 1 or len(out) != len(h):
+                raise ValueError(f"model[{i}] ({type(layer).__name__}) must return one "
+                                 "tensor with a row per input row, to be cut into "
+                                 "micro-batches")
+            specs.append((out.shape[1:], out.dtype))
+            h = out
+    if specs[-1][0] != y.shape[1:]:
+        raise ValueError(f"y has rows of shape {tuple(y.shape[1:])} but the model outputs "
+                         f"rows of shape {tuple(specs[-1][0])}")
+    return specs
+
+
+def _check_ties(model: nn.Sequential, bounds: Sequence[tuple[int, int]]) -> None:
+    """Refuse a parameter shared by layers cut into different stages: each rank would
+    train its own copy of it (a weight tied within one stage is fine)."""
+    where: dict[int, tuple[int, int]] = {}
+    for s, (a, b) in enumerate(bounds):
+        for i in range(a, b):
+            for p in model[i].parameters():
+                first = where.setdefault(id(p), (s, i))
+                if first[0] != s:
+                    raise ValueError(f"model[{first[1]}] and model[{i}] share a parameter "
+                                     f"but are cut into different stages ({first[0]} and "
+                                     f"{s}): each rank would train its own copy; cut them "
+                                     "into one stage or untie them")

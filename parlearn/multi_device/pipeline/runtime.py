@@ -31,6 +31,9 @@ from parlearn.core.checks import (
     check_tensor,
 )
 from parlearn.multi_device.pipeline.partition import (
+    _check_ties,
+    _probe,
+    _trainable,
     layer_costs,
     partition_balanced,
     partition_equal,
@@ -94,11 +97,12 @@ def _loss(out: torch.Tensor, target: torch.Tensor, n_total: int) -> torch.Tensor
 def reference_grads(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor
                     ) -> list[torch.Tensor]:
     """Single-process gradients of the full-batch loss ``sum((model(x) - y)^2) / len(x)``,
-    one per parameter in ``model.parameters()`` order (the caller's ``.grad`` untouched)."""
+    one per parameter that requires grad, in ``model.parameters()`` order (a tied weight
+    once, frozen ones left out; the caller's ``.grad`` untouched)."""
     check_module("model", model)
     check_tensor("x", x, ndim=2)
     check_tensor("y", y, ndim=2)
-    params = list(model.parameters())
+    params = _trainable([model])
     return [g.detach() for g in torch.autograd.grad(_loss(model(x), y, len(x)), params)]
 
 
@@ -137,10 +141,9 @@ class _Stage:
         return buf
 
     def forward(self, j: int, model: int, x: torch.Tensor | None, target: torch.Tensor | None,
-                n_total: int, in_shape) -> None:
+                n_total: int, in_spec: tuple[tuple[int, ...], torch.dtype]) -> None:
         layers = self.layers[model]
-        h = x if self.first else self._recv(in_shape, torch.float64 if x is None else x.dtype,
-                                            self.rank - 1, j, "activation")
+        h = x if self.first else self._recv(*in_spec, self.rank - 1, j, "activation")
         start = time.perf_counter()
         saved = []
         for i, layer in enumerate(layers):
@@ -164,14 +167,15 @@ class _Stage:
         layers = self.layers[model]
         for i in reversed(range(len(layers))):
             inp, out, _ = saved[i]
-            params = list(layers[i].parameters())
+            params = _trainable([layers[i]])   # an activation or a frozen layer has none
             wants_input = inp.requires_grad
             if self.split:
-                # B: the input gradient (delta) only; the graph is kept for W.
+                # B: the input gradient (delta) only; the graph is kept for W, if W has
+                # any weight to differentiate.
                 saved[i][2] = grad
                 if wants_input:
-                    grad = torch.autograd.grad(out, inp, grad, retain_graph=True)[0]
-            else:
+                    grad = torch.autograd.grad(out, inp, grad, retain_graph=bool(params))[0]
+            elif wants_input or params:   # else nothing here needs a gradient
                 grads = torch.autograd.grad(out, ([inp] if wants_input else []) + params, grad)
                 if wants_input:
                     grad, grads = grads[0], grads[1:]
@@ -185,8 +189,9 @@ class _Stage:
     def weight_grad(self, j: int, model: int) -> None:
         start = time.perf_counter()
         for layer, (_, out, grad) in zip(self.layers[model], self.pending_w.pop(j), strict=True):
-            params = list(layer.parameters())
-            _accumulate(params, torch.autograd.grad(out, params, grad))
+            params = _trainable([layer])
+            if params:   # W of a layer without weights is nothing (autograd refuses it)
+                _accumulate(params, torch.autograd.grad(out, params, grad))
         self._record("W", j, start)
 
     def _record(self, kind: str, j: int, start: float) -> None:
@@ -207,9 +212,10 @@ def _accumulate(params: list[torch.Tensor], grads: Sequence[torch.Tensor]) -> No
 
 def _run_orders(rank: int, world: int, order: Sequence[Op], layers: list[list[nn.Module]],
                 xs: list[torch.Tensor], ys: list[torch.Tensor], m: int, split: bool,
-                widths_in: list[int]) -> _Stage:
+                specs_in: list[tuple[torch.Size, torch.dtype]]) -> _Stage:
     """Execute one rank's ``order`` over ``len(layers)`` models, whose micro-batches are
-    interleaved: op micro-batch ``j`` is micro-batch ``j // K`` of model ``j % K``."""
+    interleaved: op micro-batch ``j`` is micro-batch ``j // K`` of model ``j % K``.
+    ``specs_in[k]`` is the per-row shape and dtype of model ``k``'s input to this stage."""
     k = len(layers)
     chunks_x = [torch.tensor_split(x, m) for x in xs]
     chunks_y = [torch.tensor_split(y, m) for y in ys]
@@ -220,7 +226,8 @@ def _run_orders(rank: int, world: int, order: Sequence[Op], layers: list[list[nn
         if op.kind == "F":
             stage.forward(op.mb, model, chunks_x[model][i] if rank == 0 else None,
                           chunks_y[model][i] if rank == world - 1 else None, len(xs[model]),
-                          (len(chunks_x[model][i]), widths_in[model]))
+                          ((len(chunks_x[model][i]), *specs_in[model][0]),
+                           specs_in[model][1]))
         elif op.kind == "B":
             stage.backward(op.mb, model)
         else:
@@ -231,26 +238,23 @@ def _run_orders(rank: int, world: int, order: Sequence[Op], layers: list[list[nn
 
 def _stage_layers(model: nn.Sequential, counts: Sequence[int], rank: int) -> list[nn.Module]:
     a, b = split_layers(len(model), counts)[rank]
-    return [copy.deepcopy(model[i]) for i in range(a, b)]
-
-
-def _in_width(model: nn.Sequential, counts: Sequence[int], rank: int) -> int:
-    a, _ = split_layers(len(model), counts)[rank]
-    return _linears(model[a])[0].in_features
+    # One deepcopy of the whole list: a weight tied between two of its layers stays tied.
+    return copy.deepcopy([model[i] for i in range(a, b)])
 
 
 def _worker_schedule(rank: int, world: int, kind: str, model: nn.Sequential, x: torch.Tensor,
-                     y: torch.Tensor, counts: Sequence[int], ms: Sequence[int]) -> list[dict]:
+                     y: torch.Tensor, counts: Sequence[int], ms: Sequence[int],
+                     specs_in: Sequence[tuple[torch.Size, torch.dtype]]) -> list[dict]:
     """Rank ``rank`` runs ``schedule(kind, world, m)[rank]`` for each ``m`` in ``ms`` on a
-    fresh copy of its stage; returns per ``m`` its gradients, ops, events and log."""
+    fresh copy of its stage (whose input rows have shape and dtype ``specs_in[rank]``);
+    returns per ``m`` its gradients, ops, events and log."""
     out = []
     for m in ms:
         layers = _stage_layers(model, counts, rank)
         order = schedule(kind, world, m)[rank]
         st = _run_orders(rank, world, order, [layers], [x], [y], m, kind == "zb",
-                         [_in_width(model, counts, rank)])
-        out.append({"grads": [p.grad.detach().clone() for lay in layers
-                              for p in lay.parameters()],
+                         [specs_in[rank]])
+        out.append({"grads": [p.grad.detach().clone() for p in _trainable(layers)],
                     "ops": [f"{e[1].replace(' ', '')}" for e in st.events],
                     "events": st.events, "log": st.log})
     return out
@@ -258,8 +262,9 @@ def _worker_schedule(rank: int, world: int, kind: str, model: nn.Sequential, x: 
 
 @dataclass
 class PipelineRun:
-    """What :func:`run_pipeline` measured. ``grads`` are the model's parameter gradients in
-    ``model.parameters()`` order; ``ops[s]`` the ops rank ``s`` executed, in order (e.g.
+    """What :func:`run_pipeline` measured. ``grads`` are the gradients of the model's
+    parameters that require grad, in ``model.parameters()`` order (as
+    :func:`reference_grads`); ``ops[s]`` the ops rank ``s`` executed, in order (e.g.
     ``"F0"``); ``events`` the measured timeline ``(lane, label, start_s, end_s)`` of every
     op's compute (waiting for a message is not inside it); ``log`` every send/recv/op with
     its time, sorted; ``bubble`` from :func:`measured_bubble`."""
@@ -306,6 +311,8 @@ def stage_op_costs(run: PipelineRun) -> dict[str, list[float]]:
 
 
 def _check_pipeline_args(model, x, y, stages, counts):
+    """Check everything before the ranks start; returns ``stages``, ``counts`` and
+    :func:`_probe`'s shapes. Ties are checked by the caller, which knows the cut."""
     check_module("model", model)
     if not isinstance(model, nn.Sequential):
         raise TypeError("model must be an nn.Sequential whose elements are the layers")
@@ -318,7 +325,7 @@ def _check_pipeline_args(model, x, y, stages, counts):
     if len(counts) != stages:
         raise ValueError(f"counts has {len(counts)} stages, stages={stages}")
     split_layers(len(model), counts)
-    return stages, counts
+    return stages, counts, _probe(model, x, y)
 
 
 def _micro_list(micro_batches, n: int) -> tuple[list[int], bool]:
@@ -338,18 +345,25 @@ def run_pipeline(kind: str, model: nn.Sequential, x: torch.Tensor, y: torch.Tens
     schedule ``kind`` on ``stages`` real ranks (:func:`parlearn.dist.run`), ``counts[s]``
     layers on stage ``s`` (default :func:`partition_equal`), the batch cut into
     ``micro_batches`` (``torch.tensor_split``). The loss is the full-batch
-    ``sum((model(x) - y)^2) / len(x)``. ``verbose`` prints every send/recv and op with its
-    time on its rank (a text timeline). A sequence of micro-batch counts runs them all in
-    one launch and returns a list. ``timeout`` is the group's per-message timeout; the
-    whole run is stopped after ``4 * timeout`` seconds (:class:`parlearn.dist.RankError`)."""
+    ``sum((model(x) - y)^2) / len(x)``. Any layers that map rows to rows will do (a stage
+    may begin with an activation or a LayerNorm: what it receives is probed from ``x``);
+    frozen parameters get no gradient; a weight tied between layers of one stage is one
+    tensor, and one tied across stages is refused. ``verbose`` prints every send/recv and
+    op with its time on its rank (a text timeline). A sequence of micro-batch counts runs
+    them all in one launch and returns a list. ``timeout`` is the group's per-message
+    timeout; the whole run is stopped after ``4 * timeout`` seconds
+    (:class:`parlearn.dist.RankError`)."""
     check_choice("kind", kind, SCHEDULES)
-    stages, counts = _check_pipeline_args(model, x, y, stages, counts)
+    stages, counts, specs = _check_pipeline_args(model, x, y, stages, counts)
+    bounds = split_layers(len(model), counts)
+    _check_ties(model, bounds)
     ms, single = _micro_list(micro_batches, len(x))
     check_bool("verbose", verbose)
     from parlearn import dist
 
     _preimport()
-    per_rank = dist.run(_worker_schedule, stages, args=(kind, model, x, y, counts, ms),
+    per_rank = dist.run(_worker_schedule, stages,
+                        args=(kind, model, x, y, counts, ms, [specs[a] for a, _ in bounds]),
                         backend="gloo", timeout=timeout, deadline=4 * timeout)
     runs = []
     for i, m in enumerate(ms):

@@ -14,12 +14,15 @@ import torch
 from torch import nn
 
 from parlearn.core.checks import check_choice
+from parlearn.multi_device.pipeline.partition import split_layers
 from parlearn.multi_device.pipeline.runtime import (
     _check_pipeline_args,
+    _check_ties,
     _loss,
     _micro_list,
     _preimport,
     _stage_layers,
+    _trainable,
 )
 from parlearn.multi_device.pipeline.schedules import SCHEDULES
 
@@ -53,7 +56,7 @@ def _worker_torch(rank: int, world: int, kind: str, model: nn.Sequential, x: tor
             sched.step(target=y, losses=[])
         else:
             sched.step()
-        out.append([p.grad.detach().clone() for p in sub.parameters()])
+        out.append([p.grad.detach().clone() for p in _trainable([sub])])
     return out
 
 
@@ -67,7 +70,8 @@ def run_torch_pipeline(kind: str, model: nn.Sequential, x: torch.Tensor, y: torc
     stage per rank for ``"zb"``). torch splits the batch with ``torch.tensor_split``, so
     ``len(x)`` should be divisible by the micro-batch count for equal shapes."""
     check_choice("kind", kind, SCHEDULES)
-    stages, counts = _check_pipeline_args(model, x, y, stages, counts)
+    stages, counts, _ = _check_pipeline_args(model, x, y, stages, counts)
+    _check_ties(model, split_layers(len(model), counts))
     ms, single = _micro_list(micro_batches, len(x))
     from parlearn import dist
 
@@ -104,7 +108,8 @@ def _worker_torch_zoo(rank: int, world: int, name: str, model: nn.Sequential, x:
         for c in range(2):
             g = place.stage_of(rank, c)
             a, b = bounds[g]
-            subs[g] = nn.Sequential(*[copy.deepcopy(model[i]) for i in range(a, b)])
+            # One deepcopy per stage: a weight tied within it stays tied.
+            subs[g] = nn.Sequential(*copy.deepcopy([model[i] for i in range(a, b)]))
             stages.append(pipelining.PipelineStage(subs[g], g, 2 * world, torch.device("cpu")))
         sched = getattr(pipelining, cls_name)(stages, m, loss_fn=lambda o, t: _loss(o, t, len(x)),
                                               scale_grads=False)
@@ -114,7 +119,7 @@ def _worker_torch_zoo(rank: int, world: int, name: str, model: nn.Sequential, x:
         if 2 * world - 1 in subs:
             kwargs.update(target=y, losses=[])
         sched.step(*([kwargs.pop("x")] if "x" in kwargs else []), **kwargs)
-        out.append({g: [p.grad.detach().clone() for p in s.parameters()]
+        out.append({g: [p.grad.detach().clone() for p in _trainable([s])]
                     for g, s in subs.items()})
     return out
 
@@ -127,7 +132,13 @@ def run_torch_zoo(name: str, model: nn.Sequential, x: torch.Tensor, y: torch.Ten
     interleaved ones, the V placement for ZB-V and DualPipe-V), the model cut into ``2P``
     virtual stages as :func:`parlearn.multi_device.pipeline.virtual.run_schedule` cuts it."""
     check_choice("name", name, tuple(TORCH_ZOO))
-    stages, _ = _check_pipeline_args(model, x, y, stages, None)
+    stages = _check_pipeline_args(model, x, y, stages, None)[0]
+    from parlearn.multi_device.pipeline.schedules import Schedule
+    from parlearn.multi_device.pipeline.virtual import chunk_layers
+
+    # The same cut as the worker's: two virtual stages per rank.
+    _check_ties(model, chunk_layers(len(model), Schedule([[] for _ in range(stages)], name,
+                                                         stages, 1, 2, TORCH_ZOO[name][1])))
     ms, single = _micro_list(micro_batches, len(x))
     from parlearn import dist
 

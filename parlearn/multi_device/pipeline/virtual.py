@@ -26,9 +26,10 @@ from parlearn.multi_device.pipeline.runtime import (
     PipelineRun,
     _accumulate,
     _check_pipeline_args,
-    _linears,
+    _check_ties,
     _loss,
     _preimport,
+    _trainable,
     measured_bubble,
 )
 from parlearn.multi_device.pipeline.schedules import Schedule
@@ -48,13 +49,17 @@ class _Chunks:
     """One rank's chunks of one schedule, run op by op (each layer's input detached, so B
     and W can be split per layer as in :mod:`parlearn.multi_device.pipeline.runtime`)."""
 
-    def __init__(self, rank: int, sched: Schedule, model: nn.Sequential, t0: float):
+    def __init__(self, rank: int, sched: Schedule, model: nn.Sequential, t0: float,
+                 specs: list[tuple[torch.Size, torch.dtype]]):
         self.rank, self.sched, self.t0 = rank, sched, t0
         bounds = chunk_layers(len(model), sched)
         self.layers = {}
+        self.specs_in = {}   # per chunk: shape and dtype of its input rows (from the probe)
         for c in range(sched.chunks):
             a, b = bounds[sched.stage_of(rank, c)]
-            self.layers[c] = [copy.deepcopy(model[i]) for i in range(a, b)]
+            # One deepcopy per chunk: a weight tied within it stays tied.
+            self.layers[c] = copy.deepcopy([model[i] for i in range(a, b)])
+            self.specs_in[c] = specs[a]
         self.last = sched.virtual_stages - 1
         self.local: dict[tuple[str, int, int], torch.Tensor] = {}
         self.saved: dict[tuple[int, int], list] = {}
@@ -72,19 +77,20 @@ class _Chunks:
         else:
             self.sends.append((tdist.isend(t, dst, tag=self._tag(g_from, mb, grad)), t))
 
-    def _get(self, g_from: int, g_to: int, mb: int, grad: bool, like: tuple) -> torch.Tensor:
+    def _get(self, g_from: int, g_to: int, mb: int, grad: bool, like: tuple,
+             dtype: torch.dtype) -> torch.Tensor:
         key = ("g" if grad else "a", g_to, mb)
         if key in self.local:
             return self.local.pop(key)
-        buf = torch.empty(like, dtype=torch.float64)
+        buf = torch.empty(like, dtype=dtype)
         tdist.recv(buf, self.sched.where(g_from)[0], tag=self._tag(g_from, mb, grad))
         return buf
 
     def forward(self, mb: int, c: int, x, y, n_total: int) -> None:
         g = self.sched.stage_of(self.rank, c)
         layers = self.layers[c]
-        h = x[mb] if g == 0 else self._get(g - 1, g, mb, False,
-                                           (len(x[mb]), _linears(layers[0])[0].in_features))
+        shape, dtype = self.specs_in[c]
+        h = x[mb] if g == 0 else self._get(g - 1, g, mb, False, (len(x[mb]), *shape), dtype)
         start, saved = time.perf_counter(), []
         for i, layer in enumerate(layers):
             inp = h.detach().requires_grad_(not (g == 0 and i == 0))
@@ -100,17 +106,18 @@ class _Chunks:
     def backward(self, mb: int, c: int) -> None:
         g = self.sched.stage_of(self.rank, c)
         saved = self.saved.pop((mb, c))
-        grad = None if g == self.last else self._get(g + 1, g, mb, True, saved[-1][1].shape)
+        top = saved[-1][1]
+        grad = None if g == self.last else self._get(g + 1, g, mb, True, top.shape, top.dtype)
         start = time.perf_counter()
         for i in reversed(range(len(saved))):
             inp, out, _ = saved[i]
-            params = list(self.layers[c][i].parameters())
+            params = _trainable([self.layers[c][i]])   # none: an activation, a frozen layer
             wants = inp.requires_grad
             if self.sched.split:
                 saved[i][2] = grad
                 if wants:
-                    grad = torch.autograd.grad(out, inp, grad, retain_graph=True)[0]
-            else:
+                    grad = torch.autograd.grad(out, inp, grad, retain_graph=bool(params))[0]
+            elif wants or params:   # else nothing here needs a gradient
                 grads = torch.autograd.grad(out, ([inp] if wants else []) + params, grad)
                 if wants:
                     grad, grads = grads[0], grads[1:]
@@ -125,8 +132,9 @@ class _Chunks:
         start = time.perf_counter()
         for layer, (_, out, grad) in zip(self.layers[c], self.pending_w.pop((mb, c)),
                                          strict=True):
-            params = list(layer.parameters())
-            _accumulate(params, torch.autograd.grad(out, params, grad))
+            params = _trainable([layer])
+            if params:   # W of a layer without weights is nothing (autograd refuses it)
+                _accumulate(params, torch.autograd.grad(out, params, grad))
         self._record("W", mb, c, start)
 
     def _record(self, kind: str, mb: int, c: int, start: float) -> None:
@@ -136,13 +144,13 @@ class _Chunks:
 
 
 def _worker(rank: int, world: int, scheds: Sequence[Schedule], model: nn.Sequential,
-            x: torch.Tensor, y: torch.Tensor) -> list[dict]:
+            x: torch.Tensor, y: torch.Tensor, specs: list) -> list[dict]:
     out = []
     for sched in scheds:
         xs = torch.tensor_split(x, sched.micro_batches)
         ys = torch.tensor_split(y, sched.micro_batches)
         tdist.barrier()   # a common start, so the ranks' clocks line up
-        run = _Chunks(rank, sched, model, time.perf_counter())
+        run = _Chunks(rank, sched, model, time.perf_counter(), specs)
         for op in sched[rank]:
             if op.kind == "F":
                 run.forward(op.mb, op.chunk, xs, ys, len(x))
@@ -152,8 +160,7 @@ def _worker(rank: int, world: int, scheds: Sequence[Schedule], model: nn.Sequent
                 run.weight_grad(op.mb, op.chunk)
         for work, _ in run.sends:
             work.wait()
-        grads = {sched.stage_of(rank, c): [p.grad.detach().clone() for lay in layers
-                                            for p in lay.parameters()]
+        grads = {sched.stage_of(rank, c): [p.grad.detach().clone() for p in _trainable(layers)]
                  for c, layers in run.layers.items()}
         out.append({"grads": grads, "events": run.events})
     return out
@@ -174,15 +181,15 @@ def run_schedule(scheds: Schedule | Sequence[Schedule], model: nn.Sequential,
     world = scheds[0].stages
     if any(s.stages != world for s in scheds):
         raise ValueError("scheds must all have the same number of stages (ranks)")
-    _check_pipeline_args(model, x, y, world, None)
+    specs = _check_pipeline_args(model, x, y, world, None)[2]
     for s in scheds:
-        chunk_layers(len(model), s)
+        _check_ties(model, chunk_layers(len(model), s))
         if s.micro_batches > len(x):
             raise ValueError(f"micro_batches={s.micro_batches} is more than the {len(x)} rows")
     from parlearn import dist
 
     _preimport()
-    per_rank = dist.run(_worker, world, args=(scheds, model, x, y), backend="gloo",
+    per_rank = dist.run(_worker, world, args=(scheds, model, x, y, specs), backend="gloo",
                         timeout=timeout, deadline=4 * timeout)
     runs = []
     for i, s in enumerate(scheds):

@@ -160,7 +160,9 @@ class ShardedAdam:
     the model's parameters are only materialised inside its forward and backward; read them
     with :meth:`full_parameters`.
     Units are the modules that own parameters directly, each one flat padded buffer.
-    The model's initial parameters must be equal on every rank.
+    Frozen parameters (``requires_grad=False``) belong to no unit: every rank keeps them
+    whole, with no gradient and no Adam state. A tied parameter belongs to the first module
+    holding it. The model's initial parameters must be equal on every rank.
     """
 
     def __init__(self, model: nn.Module, *, stage: int, lr: float = 1e-3,
@@ -181,14 +183,31 @@ class ShardedAdam:
         self.world_size = tdist.get_world_size(group)
         self.rank = tdist.get_rank(group)
         self.steps = 0
-        self.units = [self._make_unit(m) for m in model.modules()
-                      if any(True for _ in m.parameters(recurse=False))]
+        # A parameter belongs to the first module that holds it (the order of
+        # model.parameters()): a tied weight is one tensor, trained once. Frozen parameters
+        # (requires_grad=False) join no unit: they stay as they are, replicated, never
+        # hooked, updated or given a gradient buffer.
+        self.units: list[_Unit] = []
+        owner: dict[int, _Unit] = {}
+        for m in model.modules():
+            own = [p for p in m.parameters(recurse=False) if id(p) not in owner]
+            trainable = [p for p in own if p.requires_grad]
+            if trainable:
+                unit = self._make_unit(m, trainable)
+                self.units.append(unit)
+                owner.update((id(p), unit) for p in trainable)
+            if self.stage == 3:
+                # A module computing with a weight another module's unit owns (tied) must
+                # see it materialised too.
+                borrowed = {id(owner[id(p)]): owner[id(p)] for p in m.parameters(recurse=False)
+                            if id(p) in owner and owner[id(p)].module is not m}
+                for unit in borrowed.values():
+                    self._hook_forward(m, unit)
         if not self.units:
-            raise ValueError("model has no parameters")
+            raise ValueError("model has no parameters that require grad")
 
     # -- set-up --------------------------------------------------------------------------
-    def _make_unit(self, module: nn.Module) -> _Unit:
-        params = list(module.parameters(recurse=False))
+    def _make_unit(self, module: nn.Module, params: list[nn.Parameter]) -> _Unit:
         layout = FlatShard([p.shape for p in params], self.world_size, self.rank)
         with torch.no_grad():
             flat = layout.flatten([p.detach() for p in params])
@@ -210,12 +229,16 @@ class ShardedAdam:
         if self.stage == 3:
             unit.param_shard = layout.shard(flat).clone()
             self._free(unit)
-            unit.hooks += [
-                module.register_forward_pre_hook(lambda *_, u=unit: self._gather(u)),
-                module.register_forward_hook(
-                    lambda _m, _i, out, u=unit: self._after_forward(u, out)),
-            ]
+            self._hook_forward(module, unit)
         return unit
+
+    def _hook_forward(self, module: nn.Module, unit: _Unit) -> None:
+        """Stage 3: gather ``unit`` before ``module``'s forward, free it after."""
+        unit.hooks += [
+            module.register_forward_pre_hook(lambda *_, u=unit: self._gather(u)),
+            module.register_forward_hook(
+                lambda _m, _i, out, u=unit: self._after_forward(u, out)),
+        ]
 
     # -- the collectives -------------------------------------------------------------------
     def _gather(self, unit: _Unit) -> None:
@@ -302,20 +325,29 @@ class ShardedAdam:
     # -- inspection ----------------------------------------------------------------------
     @torch.no_grad()
     def full_parameters(self) -> torch.Tensor:
-        """All parameters in model order, unpadded, as one flat copy (collective in stage 3)."""
-        parts = []
-        for unit in self.units:
-            if self.stage == 3:
-                self._gather(unit)
-            parts.append(unit.flat_param[:unit.layout.numel].clone())
-            if self.stage == 3:
-                self._free(unit)
+        """All parameters in ``model.parameters()`` order (frozen ones included, a tied one
+        once), as one flat copy, like ``parameters_to_vector`` (collective in stage 3)."""
+        by_param = {id(p): u for u in self.units for p in u.params}
+        parts, held = [], None
+        for p in self.model.parameters():
+            unit = by_param.get(id(p))          # None: frozen, held whole on every rank
+            if self.stage == 3 and unit is not None and unit is not held:
+                if held is not None:
+                    self._free(held)
+                self._gather(unit)              # one unit materialised at a time
+                held = unit
+            parts.append(p.detach().reshape(-1).clone())   # a view of the flat buffer
+        if held is not None:
+            self._free(held)
         return torch.cat(parts)
 
     def held_bytes(self) -> dict[str, int]:
-        """Bytes of parameters, gradients and optimizer state this rank holds right now."""
+        """Bytes of parameters, gradients and optimizer state this rank holds right now
+        (frozen parameters included: every rank holds them whole)."""
         units = self.units
-        params = [u.flat_param for u in units] + [u.param_shard for u in units]
+        mine = {id(p) for u in units for p in u.params}
+        frozen = [p for p in self.model.parameters() if id(p) not in mine]
+        params = [u.flat_param for u in units] + [u.param_shard for u in units] + frozen
         grads = ([u.flat_grad for u in units] + [u.grad_shard for u in units]
                  + [p.grad for u in units for p in u.params if self.stage >= 2])
         optim = [u.exp_avg for u in units] + [u.exp_avg_sq for u in units]

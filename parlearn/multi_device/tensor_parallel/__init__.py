@@ -32,6 +32,7 @@ from parlearn.multi_device.tensor_parallel.conv import (
     serial_conv,
 )
 from parlearn.multi_device.tensor_parallel.megatron import (
+    ELEMENTWISE,
     ColumnParallelLinear,
     CopyToRanks,
     MegatronMLP,
@@ -81,7 +82,7 @@ from parlearn.multi_device.tensor_parallel.plan_levels import (
 )
 
 __all__ = ["CopyToRanks", "SumOverRanks", "ColumnParallelLinear", "RowParallelLinear",
-           "MegatronMLP", "serial_mlp", "megatron_worker", "megatron_check",
+           "ELEMENTWISE", "MegatronMLP", "serial_mlp", "megatron_worker", "megatron_check",
            "MOVEMENTS", "movement", "dot_product_test", "movement_matrix",
            "RankBroadcast", "RankSumReduce", "RankScatter", "RankGather", "RankAllGather",
            "RankReduceScatter",

@@ -2,7 +2,8 @@
 
 Megatron-LM (Shoeybi et al. 2019) splits an MLP block ``Y = gelu(X A) B`` over ``N`` ranks:
 ``A`` by columns (rank ``r`` holds ``A[:, r-th chunk]`` and computes its slice of the
-hidden activation with no communication, because gelu acts elementwise), ``B`` by rows
+hidden activation with no communication, because gelu acts elementwise: any elementwise
+activation does, :data:`ELEMENTWISE`), ``B`` by rows
 (rank ``r`` holds ``B[r-th chunk, :]`` and computes a partial sum of ``Y``). Two conjugate
 autograd functions place the only communication:
 
@@ -20,6 +21,8 @@ unsharded ``nn.Linear`` (so the serial reference is that layer), and
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
@@ -28,7 +31,7 @@ from torch import nn
 from parlearn.core.checks import check_int, check_module, check_seed
 
 __all__ = ["CopyToRanks", "SumOverRanks", "ColumnParallelLinear", "RowParallelLinear",
-           "MegatronMLP", "serial_mlp", "megatron_worker", "megatron_check"]
+           "ELEMENTWISE", "MegatronMLP", "serial_mlp", "megatron_worker", "megatron_check"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -111,31 +114,66 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+# Activations that act on each element alone, with no parameters and no randomness: only
+# these commute with the column split (rank r's slice of act(h) is act(rank r's slice of h)).
+# Softmax, LayerNorm (mix the hidden features), PReLU (a parameter every rank would train
+# apart) and Dropout (a mask drawn per rank, not the serial one) are not among them.
+ELEMENTWISE = (nn.ReLU, nn.ReLU6, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.Mish,
+               nn.LeakyReLU, nn.ELU, nn.CELU, nn.SELU, nn.Softplus, nn.Softsign, nn.Hardtanh,
+               nn.Hardswish, nn.Hardsigmoid, nn.LogSigmoid, nn.Tanhshrink, nn.Softshrink,
+               nn.Hardshrink, nn.Threshold, nn.Identity)
+
+
+def _check_block(full: nn.Sequential) -> None:
+    if not isinstance(full, nn.Sequential) or len(full) != 3:
+        raise TypeError("full must be nn.Sequential(nn.Linear, activation, nn.Linear), got "
+                        f"{type(full).__name__} of {len(full) if hasattr(full, '__len__') else '?'}"
+                        " elements")
+    for i in (0, 2):
+        if not isinstance(full[i], nn.Linear):
+            raise TypeError(f"full[{i}] must be nn.Linear, got {type(full[i]).__name__}")
+    if type(full[1]) not in ELEMENTWISE:
+        raise ValueError(f"full[1] must be an elementwise activation without parameters "
+                         f"({', '.join(c.__name__ for c in ELEMENTWISE)}), got "
+                         f"{type(full[1]).__name__}: the column split is exact only for those")
+    if full[0].out_features != full[2].in_features:
+        raise ValueError(f"full[0].out_features={full[0].out_features} must equal "
+                         f"full[2].in_features={full[2].in_features}")
+
+
 class MegatronMLP(nn.Module):
-    """``fc2(gelu(fc1(x)))`` with ``fc1`` column-parallel and ``fc2`` row-parallel: one
-    all-reduce forward (in ``fc2``), one backward (in ``fc1``'s ``f``)."""
+    """``fc2(act(fc1(x)))`` with ``fc1`` column-parallel and ``fc2`` row-parallel: one
+    all-reduce forward (in ``fc2``), one backward (in ``fc1``'s ``f``). ``full`` is
+    ``nn.Sequential(nn.Linear, act, nn.Linear)`` with ``act`` one of :data:`ELEMENTWISE`
+    (the block's own module is used, with its settings); anything else is refused."""
 
     def __init__(self, full: nn.Sequential, rank: int, world_size: int):
         super().__init__()
         check_module("full", full)
+        _check_block(full)
         self.fc1 = ColumnParallelLinear(full[0], rank, world_size)
+        self.act = copy.deepcopy(full[1])
         self.fc2 = RowParallelLinear(full[2], rank, world_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
+        return self.fc2(self.act(self.fc1(x)))
 
 
 def serial_mlp(d_model: int, d_hidden: int, seed: int | torch.Generator = 0,
-               dtype: torch.dtype = torch.float64) -> nn.Sequential:
-    """The unsharded block ``Linear(d_model, d_hidden), GELU, Linear(d_hidden, d_model)``,
+               dtype: torch.dtype = torch.float64, activation: nn.Module | None = None
+               ) -> nn.Sequential:
+    """The unsharded block ``Linear(d_model, d_hidden), activation, Linear(d_hidden,
+    d_model)`` (``activation`` a copy of the given module, default ``nn.GELU()``),
     initialised from ``seed`` (its own generator; the global RNG is untouched)."""
     d_model = check_int("d_model", d_model, lo=1)
     d_hidden = check_int("d_hidden", d_hidden, lo=1)
     seed = check_seed("seed", seed)
+    act = nn.GELU() if activation is None else copy.deepcopy(
+        check_module("activation", activation))
     g = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
     # nn.Linear's default init draws from the global RNG: restore it (values are replaced).
     with torch.random.fork_rng(devices=[]):
-        mlp = nn.Sequential(nn.Linear(d_model, d_hidden), nn.GELU(),
+        mlp = nn.Sequential(nn.Linear(d_model, d_hidden), act,
                             nn.Linear(d_hidden, d_model)).to(dtype)
     with torch.no_grad():
         for p in mlp.parameters():
@@ -151,7 +189,7 @@ def _inputs(batch: int, d_model: int, seed: int, dtype: torch.dtype):
 
 
 def megatron_worker(rank: int, world_size: int, batch: int, d_model: int, d_hidden: int,
-                    seed: int = 0) -> dict:
+                    seed: int = 0, activation: nn.Module | None = None) -> dict:
     """Worker: the Megatron block from scratch and via DTensor on this rank, on the loss
     ``<mlp(x), w>``. Returns CPU tensors: ``y`` and ``dx`` of each, this rank's gradient
     shards of the from-scratch layers, DTensor's full gradients, and the number of
@@ -165,7 +203,7 @@ def megatron_worker(rank: int, world_size: int, batch: int, d_model: int, d_hidd
 
     from parlearn.dist import ledger
 
-    full = serial_mlp(d_model, d_hidden, seed)
+    full = serial_mlp(d_model, d_hidden, seed, activation=activation)
     x, w = _inputs(batch, d_model, seed, torch.float64)
     out: dict = {}
 
@@ -181,8 +219,8 @@ def megatron_worker(rank: int, world_size: int, batch: int, d_model: int, d_hidd
     out["ledger"] = dict(forward=fwd.summary(), backward=bwd.summary())
 
     mesh = init_device_mesh("cpu", (world_size,))
-    model = parallelize_module(serial_mlp(d_model, d_hidden, seed), mesh,
-                               {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    model = parallelize_module(serial_mlp(d_model, d_hidden, seed, activation=activation),
+                               mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     xd = x.clone().requires_grad_(True)
     yd = model(xd)
     (yd * w).sum().backward()
@@ -193,22 +231,25 @@ def megatron_worker(rank: int, world_size: int, batch: int, d_model: int, d_hidd
 
 
 def megatron_check(world_size: int, batch: int = 4, d_model: int = 8, d_hidden: int = 16,
-                   seed: int = 0, timeout: float = 30) -> dict:
+                   seed: int = 0, timeout: float = 30, activation: nn.Module | None = None
+                   ) -> dict:
     """Run :func:`megatron_worker` on ``world_size`` real ranks and compare with the
-    unsharded block in this process. Returns ``{"scratch": err, "dtensor": err, "ledger":
-    rank 0's ledger summaries}`` where ``err`` is the largest absolute difference over the
-    output and every gradient (shards reassembled in rank order), over all ranks."""
+    unsharded block ``serial_mlp(..., activation=activation)`` in this process. Returns
+    ``{"scratch": err, "dtensor": err, "ledger": rank 0's ledger summaries}`` where ``err``
+    is the largest absolute difference over the output and every gradient (shards
+    reassembled in rank order), over all ranks."""
     from parlearn.dist import run
 
     world_size = check_int("world_size", world_size, lo=1)
-    full = serial_mlp(d_model, d_hidden, seed)
+    full = serial_mlp(d_model, d_hidden, seed, activation=activation)
+    _check_block(full)   # refused here, before the ranks start
     x, w = _inputs(batch, d_model, seed, torch.float64)
     x = x.requires_grad_(True)
     (full(x) * w).sum().backward()
     ref = dict(y=full(x).detach(), dx=x.grad, w1=full[0].weight.grad, b1=full[0].bias.grad,
                w2=full[2].weight.grad, b2=full[2].bias.grad)
     # gloo whatever GPUs exist: the worker computes on CPU tensors on a "cpu" mesh.
-    res = run(megatron_worker, world_size, args=(batch, d_model, d_hidden, seed),
+    res = run(megatron_worker, world_size, args=(batch, d_model, d_hidden, seed, activation),
               backend="gloo", timeout=timeout, deadline=4 * timeout)
     cat = dict(w1=0, b1=0, w2=1)  # how each scratch shard was cut from the full tensor
     err_s = err_d = 0.0
