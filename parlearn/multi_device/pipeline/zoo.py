@@ -201,17 +201,14 @@ def paper_bubble(kind: str, stages: int, v: int = 1, t_f: float = 1.0, t_b: floa
 def in_flight_formula(kind: str, stages: int, micro_batches: int, v: int = 2) -> float:
     """The peak activations held by rank 0 in whole-stage units: GPipe ``M``, 1F1B ``P``,
     interleaved ``P + (P-1)/v`` (its deeper warm-up: ``2(P-1) + (v-1)P + 1`` chunks of
-    ``1/v``), ZB-H2 ``2P-1``, our list-scheduled ZB-H1 ``2P-1`` too (``P`` awaiting B plus up
-    to ``P-1`` awaiting W; the paper's hand-built ZB-H1 keeps 1F1B's ``P``), ZB-V ``P``
-    (all capped at ``M``)."""
+    ``1/v``), ZB-H2 ``2P-1``, ZB-H1 ``P`` (the paper's construction: ``P-s`` awaiting B
+    plus ``s`` awaiting W on stage ``s``), ZB-V ``P`` (all capped at ``M``)."""
     check_choice("kind", kind, ZOO)
     p, m = check_int("stages", stages, lo=1), check_int("micro_batches", micro_batches, lo=1)
     if kind == "gpipe":
         return float(m)
-    if kind in ("1f1b", "zb-v"):
+    if kind in ("1f1b", "zb-h1", "zb-v"):
         return float(min(p, m))
     if kind == "zb-h2":
         return float(min(2 * p - 1, m))
-    if kind == "interleaved":
-        return min(p + (p - 1) / v, m) if v > 1 else float(min(p, m))
-    return float(min(2 * p - 1, m))
+    return min(p + (p - 1) / v, m) if v > 1 else float(min(p, m))   # interleaved
