@@ -219,7 +219,7 @@ def test_torch_dualpipe_v_order_runs_in_our_simulator_and_ranks():
         sched = pl.dualpipe_v_order(stages, m * stages)
         validate(sched)
         plain = pl.simulate(sched, 1, 1, 1)
-        fused = pl.simulate(sched, 1, 1, 1, cost_fb=1.5)      # an F&B pair: 3/4 of F + B
+        fused = pl.simulate(sched, 1, 1, 1, cost_fb=2.25)     # an F&B group: 3/4 of F+B+W
         assert sched.overlap and fused.makespan < plain.makespan
         assert max(plain.peak_in_flight) <= stages + 0.5
     with pytest.raises(ValueError, match="micro_batches"):
@@ -228,6 +228,42 @@ def test_torch_dualpipe_v_order_runs_in_our_simulator_and_ranks():
     x, y = pl.make_data(model, N, seed=2)
     ref = pl.reference_grads(model, x, y)
     for stages in (2, 4):
-        run = run_schedule(pl.dualpipe_v_order(stages, 2 * stages), model, x, y, timeout=30)
-        err = max((a - b).abs().max().item() for a, b in zip(run.grads, ref, strict=True))
-        assert err < 1e-12
+        # torch's order, and our reconstruction at M = 2P and 3P
+        scheds = [pl.dualpipe_v_order(stages, 2 * stages), pl.dualpipe_v(stages, 2 * stages),
+                  pl.dualpipe_v(stages, 3 * stages)]
+        for sched, run in zip(scheds, run_schedule(scheds, model, x, y, timeout=30),
+                              strict=True):
+            err = max((a - b).abs().max().item() for a, b in zip(run.grads, ref, strict=True))
+            assert err < 1e-12
+            assert run.ops == [[str(op) for op in ops] for ops in sched]
+
+
+# --- DualPipe-V reconstructed: DeepSeek's phases, DeepSeek's bubble ------------------------
+
+def test_dualpipe_v_is_deepseeks_order_as_torch_builds_it():
+    for stages in range(1, 9):
+        for m in range(2 * stages, 4 * stages + 2):
+            ours, torch_ = pl.dualpipe_v(stages, m), pl.dualpipe_v_order(stages, m)
+            assert [list(ops) for ops in ours] == [list(ops) for ops in torch_], (stages, m)
+            assert ours.overlap == torch_.overlap and ours.overlap
+
+
+def test_dualpipe_v_bubble_is_deepseeks_at_equal_costs():
+    # DeepSeek: (PP/2-1)(F&B + B - 3W), PP = 2P stages, B a whole backward, counted as the
+    # most idle rank's idle time in a synchronous step; F&B from no overlap (3T) to full (2T).
+    assert pl.dualpipe_v_bubble(4) == 3 * (3 + 1 - 2) / 2
+    assert pl.dualpipe_v_bubble(4, t_fb=2.0) == 3 * (2 + 1 - 2) / 2
+    for stages, t in itertools.product(range(1, 9), (1.0, 2.0)):
+        for m in (2 * stages, 2 * stages + 1, 3 * stages, 4 * stages):
+            sched = pl.dualpipe_v(stages, m)
+            assert validate(sched) == [2 * stages + 1] * stages
+            for t_fb in (3 * t, 2.5 * t, 2 * t):
+                sim = pl.simulate(sched, t, t, t, cost_fb=t_fb)
+                step_idle = max(sim.makespan - busy for busy in sim.busy)
+                assert step_idle == pl.dualpipe_v_bubble(stages, t, t, t, t_fb), (stages, m, t_fb)
+                assert sim.peak_in_flight == [stages + 0.5] * stages    # DeepSeek's PP + 1
+                assert sim.messages == 2 * m * (2 * stages - 2)
+    with pytest.raises(ValueError, match="micro_batches"):
+        pl.dualpipe_v(4, 7)
+    with pytest.raises(ValueError, match="stages"):
+        pl.dualpipe_v(0, 4)

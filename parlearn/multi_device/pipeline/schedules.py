@@ -60,7 +60,8 @@ class Schedule(list):
     ``"loop"`` places them round-robin (``c P + r``, Megatron's interleaving), ``"v"``
     (``chunks == 2``) down then back up (``r``, then ``2P-1-r``: the last stage, and the
     loss, sit on rank 0). ``overlap`` holds ``(rank, i)`` where ops ``i`` and ``i+1`` (an F
-    and a B of other micro-batches) form one overlapped F&B pair (DualPipe-V)."""
+    and a B of other micro-batches), with op ``i+2`` when it is that B's W, form one
+    overlapped F&B group (DualPipe-V: a forward overlapped with a whole backward)."""
 
     def __init__(self, orders, kind: str, stages: int, micro_batches: int, chunks: int = 1,
                  placement: str = "loop", overlap=()):

@@ -26,11 +26,14 @@ ranks (:func:`parlearn.multi_device.pipeline.virtual.run_schedule`).
   ``3MT + (P-1)T/2`` long. With ``M < 2P-1`` rank 0, the most idle, idles ``(2P-1-M) T``
   (all tested).
 
-DeepSeek's DualPipe-V is not built here: marking ZB-V's adjacent F, B pairs as overlapped
-F&B ops (our first reconstruction) made the simulated step longer, not shorter (a fused pair
-waits for both its inputs), so it did not reproduce DeepSeek's ``(P/2-1)(F&B + B - 3W)``.
-:func:`parlearn.multi_device.pipeline.torch_pipeline.dualpipe_v_order` imports torch's
-DualPipe-V order into a :class:`Schedule` instead.
+DeepSeek's DualPipe-V is reconstructed from the phases DeepSeek describe
+(:func:`dualpipe_v`, labelled RECONSTRUCTION, not in :data:`ZOO`: it needs ``M >= 2P``):
+its order equals torch's ``ScheduleDualPipeV``
+(:func:`parlearn.multi_device.pipeline.torch_pipeline.dualpipe_v_order`), and simulated at
+equal costs, with a forward overlapped with a whole backward (``W`` included) as DeepSeek
+count ``F&B``, its step idles exactly DeepSeek's ``(PP/2-1)(F&B + B - 3W)``
+(:func:`dualpipe_v_bubble`, ``PP = 2P`` stages). Our first reconstruction (ZB-V's order with
+adjacent F, B pairs fused) made the step longer and was dropped.
 
 ZB-H2 is ours: list scheduling at unit cost with the priorities the paper describes (see
 :func:`_greedy`), not copied from the paper's figure or code. ZB-H1 (in
@@ -43,7 +46,8 @@ from __future__ import annotations
 from parlearn.core.checks import check_choice, check_int
 from parlearn.multi_device.pipeline.schedules import Op, Schedule, schedule
 
-__all__ = ["ZOO", "zoo_schedule", "validate", "paper_bubble", "in_flight_formula"]
+__all__ = ["ZOO", "zoo_schedule", "validate", "paper_bubble", "in_flight_formula",
+           "dualpipe_v", "dualpipe_v_bubble"]
 
 ZOO = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
 
@@ -166,6 +170,99 @@ def _zb_v(stages: int, m: int) -> Schedule:
         run([("W", 0)] * (n - count[("W", 0)]))
         orders.append([op for op in ops if op.mb < m])
     return Schedule(orders, "zb-v", stages, m, chunks=2, placement="v")
+
+
+# ---------------------------------------------------------------------------------------
+# DualPipe-V, reconstructed from DeepSeek's description of its phases.
+
+def dualpipe_v(stages: int, micro_batches: int) -> Schedule:
+    """RECONSTRUCTION of DeepSeek's DualPipe-V ("cut-in-half" DualPipe, 2025): the V
+    placement of ZB-V, fed so that in the steady state every forward of one chunk runs
+    overlapped with the whole backward (``B`` and its ``W``) of the other chunk, an
+    ``overlap`` group of the :class:`Schedule`. Rank ``r``'s phases:
+
+    1. ``2(P-r-1)`` down forwards; 2. ``r+1`` pairs (down ``F``, up ``F``);
+    3. ``P-r-1`` rounds of up ``B``, ``W``, ``F``;
+    4. ``M-2P+r+1`` rounds of two groups, (down ``F`` & up backward), (up ``F`` & down
+       backward); the last rank runs the first group's two halves one after the other;
+    5. ``P-r-1`` rounds of up backward, then (up ``F`` & down backward);
+    6. ``r+1`` pairs of backwards (up, down), whole until half-way, then ``B`` alone with
+       its ``W`` queued (odd ranks switch before the up one, even ranks before the down);
+    7. ``P-r-1`` rounds of a queued ``W`` then a down ``B`` (its ``W`` queued);
+    8. the ``r+1`` queued ``W``\\ s, oldest first.
+
+    Needs ``M >= 2P``. Its order equals torch's ``ScheduleDualPipeV`` (tested, see
+    :func:`parlearn.multi_device.pipeline.torch_pipeline.dualpipe_v_order`); its simulated
+    step matches DeepSeek's bubble at equal costs (:func:`dualpipe_v_bubble`)."""
+    p = check_int("stages", stages, lo=1)
+    m = check_int("micro_batches", micro_batches, lo=1)
+    if m < 2 * p:
+        raise ValueError(f"micro_batches must be at least 2 * stages = {2 * p} for "
+                         f"DualPipe-V, got {m}")
+    orders, overlap = [], []
+    for r in range(p):
+        ops: list[Op] = []
+        nf, nb, queue = [0, 0], [0, 0], []
+
+        def f(c, ops=ops, nf=nf):
+            ops.append(Op("F", nf[c], c))
+            nf[c] += 1
+
+        def b(c, whole=True, ops=ops, nb=nb, queue=queue):
+            ops.append(Op("B", nb[c], c))
+            (ops if whole else queue).append(Op("W", nb[c], c))   # W now, or queued
+            nb[c] += 1
+
+        def f_and_b(cf, cb, r=r, ops=ops):
+            overlap.append((r, len(ops)))
+            f(cf)
+            b(cb)
+
+        for _ in range(2 * (p - r - 1)):                                   # 1
+            f(0)
+        for _ in range(r + 1):                                             # 2
+            f(0)
+            f(1)
+        for _ in range(p - r - 1):                                         # 3
+            b(1)
+            f(1)
+        for i in range(m - 2 * p + r + 1):                                 # 4
+            if i == 0 and r == p - 1:
+                f(0)
+                b(1)
+            else:
+                f_and_b(0, 1)
+            f_and_b(1, 0)
+        for _ in range(p - r - 1):                                         # 5
+            b(1)
+            f_and_b(1, 0)
+        whole = True
+        for i in range(r + 1):                                             # 6
+            whole = whole and not (i == (r + 1) // 2 and r % 2 == 1)
+            b(1, whole)
+            whole = whole and not (i == (r + 1) // 2 and r % 2 == 0)
+            b(0, whole)
+        for _ in range(p - r - 1):                                         # 7
+            ops.append(queue.pop(0))
+            b(0, False)
+        ops.extend(queue)                                                  # 8
+        orders.append(ops)
+    return Schedule(orders, "dualpipe-v", p, m, chunks=2, placement="v", overlap=overlap)
+
+
+def dualpipe_v_bubble(stages: int, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0,
+                      t_fb: float | None = None) -> float:
+    """DeepSeek's DualPipe-V bubble ``(PP/2-1)(F&B + B - 3W)``, where ``PP = 2P`` is the
+    number of stages (chunks), ``F`` a chunk's forward, ``B`` its whole backward (input and
+    weight gradient), ``W`` its weight gradient and ``F&B`` a forward overlapped with a whole
+    backward; here with whole-stage costs (a chunk costs half): ``(P-1)(t_fb + t_b - 2 t_w)/2``,
+    ``t_fb`` defaulting to no overlap, ``t_f + t_b + t_w``. DeepSeek count the bubble as
+    the idle time of a synchronous step on the most idle rank (``makespan - busy``); our
+    simulator of :func:`dualpipe_v` gives exactly this at ``t_f = t_b = t_w`` (tested), not
+    at unequal costs."""
+    p = check_int("stages", stages, lo=1)
+    t_fb = t_f + t_b + t_w if t_fb is None else t_fb
+    return (p - 1) * (t_fb + t_b - 2 * t_w) / 2
 
 
 def zoo_schedule(kind: str, stages: int, micro_batches: int, v: int = 2) -> Schedule:
