@@ -2,8 +2,8 @@
 
 - ``data_parallel``: naive and bucketed DP beside DDP, compression, stragglers (lesson 11);
 - ``sharding``: weight-update sharding and ZeRO 1-3 beside FSDP2 and JAX (lesson 12);
-- ``pipeline``: GPipe, 1F1B, zero-bubble, interleaved and ZB-V schedules on real ranks,
-  simulator (lesson 13);
+- ``pipeline``: GPipe, 1F1B, zero-bubble, interleaved, ZB-V and DualPipe-V schedules on real
+  ranks, simulator (lesson 13);
 - ``tensor_parallel``: Megatron layers, adjoint movements, tiling plans (lesson 14);
 - ``batching``: the noise scale, SimiGrad, AdaScale (lesson 15);
 - ``transformer``: the tiny GPT every later lesson of Part 1 splits (lesson 16);

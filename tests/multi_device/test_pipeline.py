@@ -79,8 +79,20 @@ def test_zero_bubble_reaches_zb_h1_makespan():
         if m >= stages:
             assert zb.makespan == 3 * m + stages - 1
             assert zb.bubble == pytest.approx((stages - 1) / (3 * m + stages - 1))
-        # bounded: at most P-s awaiting B, at most P-1 more awaiting W
-        assert all(p <= 2 * stages - 1 - s for s, p in enumerate(zb.peak_in_flight))
+        # the paper's ZB-H1: P-s awaiting B plus s awaiting W, 1F1B's first-stage peak
+        assert zb.peak_in_flight == [min(stages, m)] * stages
+
+
+def test_zero_bubble_matches_zb_h1_formula_at_unequal_costs():
+    # Qi et al. 2024, Table 1: ZB-H1's bubble (each stage's idle time in its span) is
+    # (P-1)(T_F + T_B - T_W), here for M >= P and T_W <= T_F.
+    for stages, m in itertools.product(range(2, 6), range(2, 13)):
+        if m < stages:
+            continue
+        for t_f, t_b, t_w in itertools.product((0.5, 1, 2), (0.5, 1, 1.5), (0.25, 0.5, 1, 2)):
+            if t_w <= t_f:
+                idle = max(pl.simulate(pl.schedule("zb", stages, m), t_f, t_b, t_w).idle_in_span)
+                assert idle == pytest.approx((stages - 1) * (t_f + t_b - t_w))
 
 
 def test_simulate_detects_deadlock_and_bad_costs():

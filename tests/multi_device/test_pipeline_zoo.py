@@ -108,9 +108,38 @@ def test_zero_bubble_rates_at_equal_costs(stages):
         assert one == pytest.approx(paper_bubble("1f1b", stages)) == 3 * (stages - 1)
         assert h1 == pytest.approx(paper_bubble("zb-h1", stages)) == stages - 1
         assert h2 == pytest.approx(paper_bubble("zb-h2", stages)) == 0
-        # Ours is list-scheduled: about half ZB-H1's, not the paper's ~0 (zoo's docstring).
-        assert zbv < h1 and zbv <= stages / 2
-        assert zbv == pytest.approx(paper_bubble("zb-h1", stages) / 2) or stages % 2
+        assert zbv == pytest.approx(paper_bubble("zb-v", stages)) == 0
+
+
+def test_zb_v_bubble_and_ramp():
+    # The paper's ZB-V at T_F = T_B = T_W = T: no idle inside any rank's span once
+    # M >= 2P-1; rank r starts r chunk slots (T/2 each) late, so the synchronous step is
+    # 3MT + (P-1)T/2 long. With fewer micro-batches rank 0 idles (2P-1-M)T, the most.
+    for stages, m, t in itertools.product([1, 2, 3, 4, 5, 8], range(1, 34), (1.0, 2.0)):
+        sim = pl.simulate(zoo_schedule("zb-v", stages, m), t, t, t)
+        assert max(sim.idle_in_span) == sim.idle_in_span[0] == max(0, 2 * stages - 1 - m) * t
+        if m >= 2 * stages - 1:
+            assert sim.makespan == 3 * m * t + (stages - 1) * t / 2
+            assert sim.bubble == pytest.approx((stages - 1) / (6 * m + stages - 1))
+
+
+def _torch_order(cls, stages, m):
+    # torch's order of the same paper's schedule as our Ops (a private torch 2.13 method).
+    from types import SimpleNamespace
+
+    fake = SimpleNamespace(pp_group_size=stages, _n_microbatches=m, num_stages=2 * stages)
+    kinds = {"F": "F", "I": "B", "W": "W"}
+    return [[pl.Op(kinds[a.computation_type.value], a.microbatch_index, int(a.stage_index != r))
+             for a in cls._calculate_single_rank_operations(fake, r) if a is not None]
+            for r in range(stages)]
+
+
+def test_zb_v_is_the_papers_order_as_torch_builds_it():
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+
+    for stages, m in itertools.product([2, 3, 4, 5, 8], range(1, 25)):
+        ours = [list(ops) for ops in zoo_schedule("zb-v", stages, m)]
+        assert ours == _torch_order(ScheduleZBVZeroBubble, stages, m), (stages, m)
 
 
 def test_p2p_messages():
@@ -132,7 +161,12 @@ def test_peak_in_flight_equals_formula(kind, stages):
             sched = zoo_schedule(kind, stages, m, v)
             sim = _sim(sched)
             assert sim.peak_in_flight[0] == pytest.approx(in_flight_formula(kind, stages, m, v))
-            assert max(sim.peak_in_flight) == pytest.approx(sim.peak_in_flight[0])
+            if kind == "zb-v":   # below M = 2P-1 rank 0 holds less than the others
+                assert sim.peak_in_flight == [min(stages, m, (m + 1 + r) / 2)
+                                              for r in range(stages)]
+                assert max(sim.peak_in_flight) == min(stages, m)     # 1F1B's (rank 0)
+            else:
+                assert max(sim.peak_in_flight) == pytest.approx(sim.peak_in_flight[0])
             assert [p * sched.chunks for p in sim.peak_in_flight] == validate(sched)
     if kind == "1f1b":
         assert _sim(zoo_schedule(kind, stages, 8)).peak_in_flight[0] == min(stages, 8)
@@ -185,7 +219,7 @@ def test_torch_dualpipe_v_order_runs_in_our_simulator_and_ranks():
         sched = pl.dualpipe_v_order(stages, m * stages)
         validate(sched)
         plain = pl.simulate(sched, 1, 1, 1)
-        fused = pl.simulate(sched, 1, 1, 1, cost_fb=1.5)      # an F&B pair: 3/4 of F + B
+        fused = pl.simulate(sched, 1, 1, 1, cost_fb=2.25)     # an F&B group: 3/4 of F+B+W
         assert sched.overlap and fused.makespan < plain.makespan
         assert max(plain.peak_in_flight) <= stages + 0.5
     with pytest.raises(ValueError, match="micro_batches"):
@@ -194,6 +228,42 @@ def test_torch_dualpipe_v_order_runs_in_our_simulator_and_ranks():
     x, y = pl.make_data(model, N, seed=2)
     ref = pl.reference_grads(model, x, y)
     for stages in (2, 4):
-        run = run_schedule(pl.dualpipe_v_order(stages, 2 * stages), model, x, y, timeout=30)
-        err = max((a - b).abs().max().item() for a, b in zip(run.grads, ref, strict=True))
-        assert err < 1e-12
+        # torch's order, and our reconstruction at M = 2P and 3P
+        scheds = [pl.dualpipe_v_order(stages, 2 * stages), pl.dualpipe_v(stages, 2 * stages),
+                  pl.dualpipe_v(stages, 3 * stages)]
+        for sched, run in zip(scheds, run_schedule(scheds, model, x, y, timeout=30),
+                              strict=True):
+            err = max((a - b).abs().max().item() for a, b in zip(run.grads, ref, strict=True))
+            assert err < 1e-12
+            assert run.ops == [[str(op) for op in ops] for ops in sched]
+
+
+# --- DualPipe-V reconstructed: DeepSeek's phases, DeepSeek's bubble ------------------------
+
+def test_dualpipe_v_is_deepseeks_order_as_torch_builds_it():
+    for stages in range(1, 9):
+        for m in range(2 * stages, 4 * stages + 2):
+            ours, torch_ = pl.dualpipe_v(stages, m), pl.dualpipe_v_order(stages, m)
+            assert [list(ops) for ops in ours] == [list(ops) for ops in torch_], (stages, m)
+            assert ours.overlap == torch_.overlap and ours.overlap
+
+
+def test_dualpipe_v_bubble_is_deepseeks_at_equal_costs():
+    # DeepSeek: (PP/2-1)(F&B + B - 3W), PP = 2P stages, B a whole backward, counted as the
+    # most idle rank's idle time in a synchronous step; F&B from no overlap (3T) to full (2T).
+    assert pl.dualpipe_v_bubble(4) == 3 * (3 + 1 - 2) / 2
+    assert pl.dualpipe_v_bubble(4, t_fb=2.0) == 3 * (2 + 1 - 2) / 2
+    for stages, t in itertools.product(range(1, 9), (1.0, 2.0)):
+        for m in (2 * stages, 2 * stages + 1, 3 * stages, 4 * stages):
+            sched = pl.dualpipe_v(stages, m)
+            assert validate(sched) == [2 * stages + 1] * stages
+            for t_fb in (3 * t, 2.5 * t, 2 * t):
+                sim = pl.simulate(sched, t, t, t, cost_fb=t_fb)
+                step_idle = max(sim.makespan - busy for busy in sim.busy)
+                assert step_idle == pl.dualpipe_v_bubble(stages, t, t, t, t_fb), (stages, m, t_fb)
+                assert sim.peak_in_flight == [stages + 0.5] * stages    # DeepSeek's PP + 1
+                assert sim.messages == 2 * m * (2 * stages - 2)
+    with pytest.raises(ValueError, match="micro_batches"):
+        pl.dualpipe_v(4, 7)
+    with pytest.raises(ValueError, match="stages"):
+        pl.dualpipe_v(0, 4)

@@ -21,7 +21,8 @@ module              what it holds
                     measured layer costs (LAMP)
 ``runtime``         the model and the single-process reference, the stages on real gloo
                     ranks (:func:`run_pipeline`), the measured bubble, the bench rows
-``zoo``             interleaved 1F1B, ZB-H2 and ZB-V as :class:`Schedule` objects
+``zoo``             interleaved 1F1B, ZB-H2, ZB-V (and DualPipe-V, reconstructed:
+                    :func:`dualpipe_v`) as :class:`Schedule` objects
                     (:func:`zoo_schedule`), :func:`validate`, the papers' bubbles
 ``virtual``         any :class:`Schedule` (chunks, V placement) on real gloo ranks
                     (:func:`run_schedule`)
@@ -74,6 +75,8 @@ from parlearn.multi_device.pipeline.torch_pipeline import (
 from parlearn.multi_device.pipeline.virtual import run_schedule
 from parlearn.multi_device.pipeline.zoo import (
     ZOO,
+    dualpipe_v,
+    dualpipe_v_bubble,
     in_flight_formula,
     paper_bubble,
     validate,
@@ -88,4 +91,4 @@ __all__ = ["SCHEDULES", "Op", "schedule", "bubble_formula", "Simulation", "simul
            "hydra_schedule", "hydra_train", "hydra_reference", "simulate_bidirectional",
            "bench", "Schedule", "ZOO", "zoo_schedule", "validate", "paper_bubble",
            "in_flight_formula", "run_schedule", "TORCH_ZOO", "run_torch_zoo",
-           "dualpipe_v_order"]
+           "dualpipe_v_order", "dualpipe_v", "dualpipe_v_bubble"]

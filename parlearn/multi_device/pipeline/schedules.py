@@ -11,11 +11,13 @@ list from per-stage costs (modeled). Schedules:
 - ``"1f1b"``: ``P-s-1`` warm-up forwards, then one-forward-one-backward, then the
   remaining backwards (PipeDream-Flush, Narayanan et al. 2021). Same bubble as GPipe,
   at most ``P-s`` micro-batches in flight on stage ``s``.
-- ``"zb"``: zero-bubble in the style of ZB-H1 (Qi et al. 2024): each backward is split into
-  ``B`` (input gradient, the delta chain, which the previous stage waits for) and ``W``
-  (weight gradient ``G = delta x activation``, which nobody waits for) -- the delta/G split
-  of lesson 20. ``W`` fills the idle slots. Built by our own greedy list scheduler under
-  unit costs (see :func:`_zero_bubble`), not copied from the paper's figure.
+- ``"zb"``: zero-bubble ZB-H1 (Qi et al. 2024): each backward is split into ``B`` (input
+  gradient, the delta chain, which the previous stage waits for) and ``W`` (weight gradient
+  ``G = delta x activation``, which nobody waits for) -- the delta/G split of lesson 20.
+  Built as the paper describes it (see :func:`_zero_bubble`): 1F1B's order with stage ``s``
+  holding back its first ``s`` ``W``\\ s, which then fill the drain; every stage holds at most
+  ``P`` micro-batches (1F1B's first stage), and the bubble is a third of 1F1B's at equal
+  ``F``, ``B``, ``W``.
 
 For equal stage costs GPipe and 1F1B idle a fraction ``(P-1)/(M+P-1)`` of the time
 (:func:`bubble_formula`): the pipeline fills for ``P-1`` slots and drains for ``P-1``.
@@ -58,7 +60,8 @@ class Schedule(list):
     ``"loop"`` places them round-robin (``c P + r``, Megatron's interleaving), ``"v"``
     (``chunks == 2``) down then back up (``r``, then ``2P-1-r``: the last stage, and the
     loss, sit on rank 0). ``overlap`` holds ``(rank, i)`` where ops ``i`` and ``i+1`` (an F
-    and a B of other micro-batches) form one overlapped F&B pair (DualPipe-V)."""
+    and a B of other micro-batches), with op ``i+2`` when it is that B's W, form one
+    overlapped F&B group (DualPipe-V: a forward overlapped with a whole backward)."""
 
     def __init__(self, orders, kind: str, stages: int, micro_batches: int, chunks: int = 1,
                  placement: str = "loop", overlap=()):
@@ -109,46 +112,27 @@ def _one_f_one_b(stage: int, stages: int, m: int) -> list[Op]:
     return ops
 
 
-def _zero_bubble(stages: int, m: int) -> list[list[Op]]:
-    """Greedy list scheduling at unit cost F = B = W = 1 and free communication: at each
-    time step every idle stage runs the first ready op by priority
-
-    1. ``B`` (its input gradient unblocks the stage before),
-    2. ``W`` if more than ``P-1`` weight gradients are pending (bounds their memory),
-    3. ``F`` if fewer than ``P-s`` micro-batches await their ``B`` (1F1B's bound),
-    4. ``W`` (needed by nobody, so it fills what would be idle time).
-
-    For ``M >= P`` this reaches ZB-H1's makespan ``3M + P - 1`` (bubble ``(P-1)/(3M+P-1)``,
-    a third of 1F1B's at equal F, B, W)."""
-    orders: list[list[Op]] = [[] for _ in range(stages)]
-    f_end = [[None] * m for _ in range(stages)]   # time each F / B finishes
-    b_end = [[None] * m for _ in range(stages)]
-    nf, nb, nw = [0] * stages, [0] * stages, [0] * stages
-    t = 0
-
-    def arrived(end: int | None) -> bool:
-        return end is not None and end <= t
-
-    while any(n < m for n in nw):
-        for s in range(stages):
-            # B m needs the output gradient: from stage s+1, or the loss on the last stage.
-            source = f_end[s] if s == stages - 1 else b_end[s + 1]
-            ready_b = nb[s] < nf[s] and arrived(source[nb[s]])
-            ready_f = nf[s] < m and nf[s] - nb[s] < stages - s and (
-                s == 0 or arrived(f_end[s - 1][nf[s]]))
-            if ready_b:
-                b_end[s][nb[s]] = t + 1
-                orders[s].append(Op("B", nb[s]))
-                nb[s] += 1
-            elif nb[s] - nw[s] > stages - 1 or (not ready_f and nw[s] < nb[s]):
-                orders[s].append(Op("W", nw[s]))
-                nw[s] += 1
-            elif ready_f:
-                f_end[s][nf[s]] = t + 1
-                orders[s].append(Op("F", nf[s]))
-                nf[s] += 1
-        t += 1
-    return orders
+def _zero_bubble(stage: int, stages: int, m: int) -> list[Op]:
+    """ZB-H1 as the paper builds it: 1F1B's ``P-s-1`` warm-up forwards, then one forward one
+    ``B``, with the ``W`` of each micro-batch right after the ``B`` of the ``s``-th next one
+    (stage ``s`` holds back ``s`` weight gradients), then the held-back ``W``\\ s at the end.
+    So ``B`` reaches the stage before as early as in a 1F1B whose backward costs ``T_B``, and
+    the ``W``\\ s fill the drain. Stage ``s`` holds ``P-s`` micro-batches awaiting ``B`` plus
+    ``s`` awaiting ``W``: ``min(P, M)`` on every stage, 1F1B's first-stage peak. For
+    ``M >= P`` and ``T_W <= T_F`` its bubble as the paper counts it (each stage's idle time
+    in its span) is ``(P-1)(T_F+T_B-T_W)``; at equal costs the makespan is ``3M + P - 1``,
+    ``(P-1)/(3M+P-1)`` of a synchronous step idle, a third of 1F1B's (tested)."""
+    warmup = min(stages - stage - 1, m)
+    ops = [Op("F", i) for i in range(warmup)]                # warm-up: as 1F1B
+    w = 0
+    for i in range(m):
+        if warmup + i < m:
+            ops.append(Op("F", warmup + i))
+        ops.append(Op("B", i))
+        if i >= stage or warmup + i >= m:      # W s micro-batches late; in the drain, at once
+            ops.append(Op("W", w))
+            w += 1
+    return ops + [Op("W", i) for i in range(w, m)]           # the held-back Ws fill the drain
 
 
 def schedule(kind: str, stages: int, micro_batches: int) -> Schedule:
@@ -158,9 +142,7 @@ def schedule(kind: str, stages: int, micro_batches: int) -> Schedule:
     check_choice("kind", kind, SCHEDULES)
     stages = check_int("stages", stages, lo=1)
     micro_batches = check_int("micro_batches", micro_batches, lo=1)
-    if kind == "zb":
-        return Schedule(_zero_bubble(stages, micro_batches), kind, stages, micro_batches)
-    make = _gpipe if kind == "gpipe" else _one_f_one_b
+    make = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "zb": _zero_bubble}[kind]
     return Schedule([make(s, stages, micro_batches) for s in range(stages)], kind, stages,
                     micro_batches)
 

@@ -52,6 +52,12 @@ def _per_stage(name: str, value, stages: int) -> list[float]:
     return value
 
 
+def _group(ops: Sequence[Op], i: int) -> int:
+    # An overlapped F&B group: ops i (F) and i+1 (B), and i+2 when it is that B's W.
+    b = ops[i + 1]
+    return 3 if i + 2 < len(ops) and ops[i + 2] == Op("W", b.mb, b.chunk) else 2
+
+
 def dependency(orders: Sequence[Sequence[Op]], rank: int, op: Op) -> tuple[str, int, int] | None:
     """What ``op`` of ``rank`` waits for, as ``(kind, virtual stage, micro-batch)``: ``F`` on
     virtual stage ``g`` needs ``F`` of ``g-1``; ``B`` needs ``B`` of ``g+1`` (on the last
@@ -79,8 +85,9 @@ def simulate(orders: Sequence[Sequence[Op]], cost_f: float | Sequence[float] = 1
     chunks spends ``1/v`` of them per op. When the orders contain ``W`` ops, ``cost_b`` is
     the input-gradient part only and ``cost_w`` the weight-gradient part; otherwise a ``B``
     costs ``cost_b`` and ``cost_w`` must be 0 (include it in ``cost_b``). ``cost_fb`` is the
-    time of an overlapped F&B pair (the schedule's ``overlap``; default: not overlapped,
-    F then B). Raises ValueError if the orders deadlock."""
+    time of an overlapped F&B group (the schedule's ``overlap``: a forward and a whole
+    backward, its ``W`` included when it follows at once, as DeepSeek count it; default:
+    not overlapped, one op after the other). Raises ValueError if the orders deadlock."""
     stages = len(orders)
     if stages < 1:
         raise ValueError("orders must list at least one stage")
@@ -107,16 +114,16 @@ def simulate(orders: Sequence[Sequence[Op]], cost_f: float | Sequence[float] = 1
         progressed = False
         for s in range(stages):
             while pos[s] < len(orders[s]):
-                n = 2 if (s, pos[s]) in pairs else 1
+                n = _group(orders[s], pos[s]) if (s, pos[s]) in pairs else 1
                 ops = orders[s][pos[s]:pos[s] + n]
-                deps = [dependency(orders, s, op) for op in ops]
+                deps = [dependency(orders, s, op) for op in ops if op.kind != "W" or n == 1]
                 if any(d is not None and d not in done for d in deps):
                     break
                 arrive = [0.0 if d is None else done[d] + (comm if where[d] != s else 0.0)
                           for d in deps]
                 messages += sum(d is not None and where[d] != s for d in deps)
                 start = max(free[s], *arrive)
-                end = start + (fused if n == 2 else cost[ops[0].kind][s])
+                end = start + (fused if n > 1 else cost[ops[0].kind][s])
                 for op in ops:
                     g = orders.stage_of(s, op.chunk) if isinstance(orders, Schedule) else s
                     done[(op.kind, g, op.mb)], where[(op.kind, g, op.mb)] = end, s

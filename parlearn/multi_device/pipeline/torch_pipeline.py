@@ -158,8 +158,9 @@ def dualpipe_v_order(stages: int, micro_batches: int):
     as our :class:`parlearn.multi_device.pipeline.schedules.Schedule`, so that our
     simulator times it and our ranks execute it: torch's ``F``, ``I`` (input gradient) and
     ``W`` become our ``F``, ``B`` and ``W``; its full backward ``B`` our ``B`` then ``W``; its
-    ``OVERLAP_F_B`` our ``F`` and ``B`` marked as one overlapped F&B pair (the schedule's
-    ``overlap``), whose ``W`` follows. It reads a private torch method (torch 2.13), so it
+    ``OVERLAP_F_B`` our ``F``, ``B`` and ``W`` marked as one overlapped F&B group (the
+    schedule's ``overlap``). :func:`parlearn.multi_device.pipeline.zoo.dualpipe_v` builds
+    the same order from DeepSeek's phases. It reads a private torch method (torch 2.13), so it
     may break with another torch. Needs ``micro_batches >= 2 * stages``."""
     from types import SimpleNamespace
 

@@ -6,8 +6,8 @@ its op list with blocking ``recv`` and asynchronous ``isend`` through
 :func:`parlearn.dist.run` (gloo). The activation of virtual stage ``g`` goes to whichever
 rank holds ``g+1`` (the next rank in the loop placement; in the V placement the same rank
 at the turn, where it is handed over in memory, not sent); the gradient goes back the same
-way. An overlapped F&B pair (DualPipe-V) runs as its F then its B: our send/recv block,
-so nothing overlaps. The gradients must equal
+way. An overlapped F&B group (DualPipe-V) runs as its F, then its B and W: our
+send/recv block, so nothing overlaps. The gradients must equal
 :func:`parlearn.multi_device.pipeline.runtime.reference_grads` to round-off.
 """
 

@@ -16,22 +16,29 @@ ranks (:func:`parlearn.multi_device.pipeline.virtual.run_schedule`).
   warm-up forwards (up to ``2P-1`` in flight on every stage) fill the fill-in bubble and
   the ``W``\\ s fill the drain: bubble ``(P-1)(T_F + T_B - 2 T_W)``, 0 at equal costs, at
   about twice 1F1B's activation memory.
-- ``"zb-v"``: zero bubble in the V placement (Qi et al. 2024): two chunks per rank,
-  rank ``r`` holding virtual stages ``r`` and ``2P-1-r``, so the forward goes down the
-  ranks and back up and the loss is on rank 0. At most ``2P`` chunk activations (``P``
-  whole stages, 1F1B's memory) in flight per rank. The paper reaches a near-zero bubble with
-  its hand-built order; our list-scheduled one leaves about half of ZB-H1's, ``(P-1)/2``
-  stage slots at equal costs for even ``P`` (tested), not zero.
+- ``"zb-v"``: zero bubble in the V placement (Qi et al. 2024, section 6): two chunks per
+  rank, rank ``r`` holding virtual stages ``r`` and ``2P-1-r``, so the forward goes down the
+  ranks and back up and the loss is on rank 0. Built by the paper's construction (see
+  :func:`_zb_v`): a V-shaped warm-up, then forward, ``B``, ``W`` on each leg in turn, then
+  the mirror-image drain. At ``T_F = T_B = T_W = T`` and ``M >= 2P-1`` no rank idles between
+  its first and last op (the paper's bubble: zero) and every rank holds at most ``P`` whole
+  stages' activations (1F1B's first stage); the synchronous step still pays its ramp,
+  ``3MT + (P-1)T/2`` long. With ``M < 2P-1`` rank 0, the most idle, idles ``(2P-1-M) T``
+  (all tested).
 
-DeepSeek's DualPipe-V is not built here: marking ZB-V's adjacent F, B pairs as overlapped
-F&B ops (our first reconstruction) made the simulated step longer, not shorter (a fused pair
-waits for both its inputs), so it did not reproduce DeepSeek's ``(P/2-1)(F&B + B - 3W)``.
-:func:`parlearn.multi_device.pipeline.torch_pipeline.dualpipe_v_order` imports torch's
-DualPipe-V order into a :class:`Schedule` instead.
+DeepSeek's DualPipe-V is reconstructed from the phases DeepSeek describe
+(:func:`dualpipe_v`, labelled RECONSTRUCTION, not in :data:`ZOO`: it needs ``M >= 2P``):
+its order equals torch's ``ScheduleDualPipeV``
+(:func:`parlearn.multi_device.pipeline.torch_pipeline.dualpipe_v_order`), and simulated at
+equal costs, with a forward overlapped with a whole backward (``W`` included) as DeepSeek
+count ``F&B``, its step idles exactly DeepSeek's ``(PP/2-1)(F&B + B - 3W)``
+(:func:`dualpipe_v_bubble`, ``PP = 2P`` stages). Our first reconstruction (ZB-V's order with
+adjacent F, B pairs fused) made the step longer and was dropped.
 
-The zero-bubble schedules are ours: list scheduling at unit cost with the
-priorities each paper describes (see :func:`_greedy`), not copied from the papers' figures
-or code. :func:`paper_bubble` gives each paper's bubble formula.
+ZB-H2 is ours: list scheduling at unit cost with the priorities the paper describes (see
+:func:`_greedy`), not copied from the paper's figure or code. ZB-H1 (in
+:mod:`parlearn.multi_device.pipeline.schedules`) and ZB-V follow the paper's constructions,
+written here from its description. :func:`paper_bubble` gives each paper's bubble formula.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ from __future__ import annotations
 from parlearn.core.checks import check_choice, check_int
 from parlearn.multi_device.pipeline.schedules import Op, Schedule, schedule
 
-__all__ = ["ZOO", "zoo_schedule", "validate", "paper_bubble", "in_flight_formula"]
+__all__ = ["ZOO", "zoo_schedule", "validate", "paper_bubble", "in_flight_formula",
+           "dualpipe_v", "dualpipe_v_bubble"]
 
 ZOO = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
 
@@ -117,6 +125,146 @@ def _greedy(stages: int, m: int, chunks: int, placement: str, caps: list[int],
     return sched
 
 
+# ---------------------------------------------------------------------------------------
+# ZB-V: the paper's construction, phase by phase.
+
+def _zb_v(stages: int, m: int) -> Schedule:
+    """ZB-V (Qi et al. 2024, section 6). Rank ``r``'s "down" chunk (0) is virtual stage
+    ``r``, its "up" chunk (1) stage ``2P-1-r``. In chunk slots (an op of a chunk, ``T/2``):
+    micro-batch 0 reaches the down chunk at slot ``r`` and the up chunk at ``2P-1-r``, so
+
+    1. ``2(P-r)-1`` down forwards fill the wait for micro-batch 0 to come back up;
+    2. ``r`` pairs (up forward, down forward) while the up leg fills;
+    3. ``P-r`` rounds of up forward, ``B``, ``W``: rank 0 turns micro-batch 0 round at
+       the loss at once, and each ``W`` frees a chunk as the next forward takes one;
+    4. steady state: down ``F``, ``B``, ``W`` then up ``F``, ``B``, ``W``, six slots a
+       micro-batch and no gap;
+    5. the drain, the warm-up's mirror: ``r`` pairs (down ``B``, up ``B``), ``P-r`` pairs
+       (down ``B``, down ``W``), then the remaining ``W``\\ s of the up chunk, then the down.
+
+    After step 2 a rank holds ``2(P-r)-1 + 2r = 2P-1`` chunks, and each later round takes
+    one and frees one: at most ``2P`` chunks, ``P`` whole stages. Step 1 needs ``2P-1``
+    micro-batches; with fewer the order is built for ``2P-1`` and the ops of the missing
+    ones are dropped (still a valid order: every op waits only on its own micro-batch).
+    The same paper's ZB-V is torch's ``ScheduleZBVZeroBubble``; the tests check that both
+    give every rank the same order."""
+    n = max(m, 2 * stages - 1)
+    orders = []
+    for r in range(stages):
+        ops: list[Op] = []
+        count = {(k, c): 0 for k in "FBW" for c in (0, 1)}
+
+        def run(steps, ops=ops, count=count):
+            for k, c in steps:
+                ops.append(Op(k, count[(k, c)], c))
+                count[(k, c)] += 1
+
+        run([("F", 0)] * (2 * (stages - r) - 1))                       # 1
+        run([("F", 1), ("F", 0)] * r)                                  # 2
+        run([("F", 1), ("B", 1), ("W", 1)] * (stages - r))             # 3
+        while count[("F", 1)] < n:                                     # 4
+            down_f = [("F", 0)] if count[("F", 0)] < n else []       # the last ones: none
+            run(down_f + [("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1)])
+        run([("B", 0), ("B", 1)] * r + [("B", 0), ("W", 0)] * (stages - r))   # 5
+        run([("W", 1)] * (n - count[("W", 1)]))
+        run([("W", 0)] * (n - count[("W", 0)]))
+        orders.append([op for op in ops if op.mb < m])
+    return Schedule(orders, "zb-v", stages, m, chunks=2, placement="v")
+
+
+# ---------------------------------------------------------------------------------------
+# DualPipe-V, reconstructed from DeepSeek's description of its phases.
+
+def dualpipe_v(stages: int, micro_batches: int) -> Schedule:
+    """RECONSTRUCTION of DeepSeek's DualPipe-V ("cut-in-half" DualPipe, 2025): the V
+    placement of ZB-V, fed so that in the steady state every forward of one chunk runs
+    overlapped with the whole backward (``B`` and its ``W``) of the other chunk, an
+    ``overlap`` group of the :class:`Schedule`. Rank ``r``'s phases:
+
+    1. ``2(P-r-1)`` down forwards; 2. ``r+1`` pairs (down ``F``, up ``F``);
+    3. ``P-r-1`` rounds of up ``B``, ``W``, ``F``;
+    4. ``M-2P+r+1`` rounds of two groups, (down ``F`` & up backward), (up ``F`` & down
+       backward); the last rank runs the first group's two halves one after the other;
+    5. ``P-r-1`` rounds of up backward, then (up ``F`` & down backward);
+    6. ``r+1`` pairs of backwards (up, down), whole until half-way, then ``B`` alone with
+       its ``W`` queued (odd ranks switch before the up one, even ranks before the down);
+    7. ``P-r-1`` rounds of a queued ``W`` then a down ``B`` (its ``W`` queued);
+    8. the ``r+1`` queued ``W``\\ s, oldest first.
+
+    Needs ``M >= 2P``. Its order equals torch's ``ScheduleDualPipeV`` (tested, see
+    :func:`parlearn.multi_device.pipeline.torch_pipeline.dualpipe_v_order`); its simulated
+    step matches DeepSeek's bubble at equal costs (:func:`dualpipe_v_bubble`)."""
+    p = check_int("stages", stages, lo=1)
+    m = check_int("micro_batches", micro_batches, lo=1)
+    if m < 2 * p:
+        raise ValueError(f"micro_batches must be at least 2 * stages = {2 * p} for "
+                         f"DualPipe-V, got {m}")
+    orders, overlap = [], []
+    for r in range(p):
+        ops: list[Op] = []
+        nf, nb, queue = [0, 0], [0, 0], []
+
+        def f(c, ops=ops, nf=nf):
+            ops.append(Op("F", nf[c], c))
+            nf[c] += 1
+
+        def b(c, whole=True, ops=ops, nb=nb, queue=queue):
+            ops.append(Op("B", nb[c], c))
+            (ops if whole else queue).append(Op("W", nb[c], c))   # W now, or queued
+            nb[c] += 1
+
+        def f_and_b(cf, cb, r=r, ops=ops):
+            overlap.append((r, len(ops)))
+            f(cf)
+            b(cb)
+
+        for _ in range(2 * (p - r - 1)):                                   # 1
+            f(0)
+        for _ in range(r + 1):                                             # 2
+            f(0)
+            f(1)
+        for _ in range(p - r - 1):                                         # 3
+            b(1)
+            f(1)
+        for i in range(m - 2 * p + r + 1):                                 # 4
+            if i == 0 and r == p - 1:
+                f(0)
+                b(1)
+            else:
+                f_and_b(0, 1)
+            f_and_b(1, 0)
+        for _ in range(p - r - 1):                                         # 5
+            b(1)
+            f_and_b(1, 0)
+        whole = True
+        for i in range(r + 1):                                             # 6
+            whole = whole and not (i == (r + 1) // 2 and r % 2 == 1)
+            b(1, whole)
+            whole = whole and not (i == (r + 1) // 2 and r % 2 == 0)
+            b(0, whole)
+        for _ in range(p - r - 1):                                         # 7
+            ops.append(queue.pop(0))
+            b(0, False)
+        ops.extend(queue)                                                  # 8
+        orders.append(ops)
+    return Schedule(orders, "dualpipe-v", p, m, chunks=2, placement="v", overlap=overlap)
+
+
+def dualpipe_v_bubble(stages: int, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0,
+                      t_fb: float | None = None) -> float:
+    """DeepSeek's DualPipe-V bubble ``(PP/2-1)(F&B + B - 3W)``, where ``PP = 2P`` is the
+    number of stages (chunks), ``F`` a chunk's forward, ``B`` its whole backward (input and
+    weight gradient), ``W`` its weight gradient and ``F&B`` a forward overlapped with a whole
+    backward; here with whole-stage costs (a chunk costs half): ``(P-1)(t_fb + t_b - 2 t_w)/2``,
+    ``t_fb`` defaulting to no overlap, ``t_f + t_b + t_w``. DeepSeek count the bubble as
+    the idle time of a synchronous step on the most idle rank (``makespan - busy``); our
+    simulator of :func:`dualpipe_v` gives exactly this at ``t_f = t_b = t_w`` (tested), not
+    at unequal costs."""
+    p = check_int("stages", stages, lo=1)
+    t_fb = t_f + t_b + t_w if t_fb is None else t_fb
+    return (p - 1) * (t_fb + t_b - 2 * t_w) / 2
+
+
 def zoo_schedule(kind: str, stages: int, micro_batches: int, v: int = 2) -> Schedule:
     """The schedule ``kind`` (one of :data:`ZOO`) for ``stages`` ranks and ``micro_batches``
     micro-batches; ``v`` is the chunks per rank of ``"interleaved"`` (``v = 1`` is 1F1B).
@@ -139,7 +287,7 @@ def zoo_schedule(kind: str, stages: int, micro_batches: int, v: int = 2) -> Sche
         return _interleaved(stages, m, v)
     if kind == "zb-h2":
         return _greedy(stages, m, 1, "loop", [2 * stages - 1] * stages, "zb-h2")
-    return _greedy(stages, m, 2, "v", [2 * stages] * stages, "zb-v")
+    return _zb_v(stages, m)
 
 
 # ---------------------------------------------------------------------------------------
@@ -181,9 +329,8 @@ def paper_bubble(kind: str, stages: int, v: int = 1, t_f: float = 1.0, t_b: floa
     gradient, ``t_w`` the weight gradient; a non-split schedule's backward is
     ``t_b + t_w``): 1F1B and GPipe ``(P-1)(T_F+T_B+T_W)``, interleaved ``/v`` of that,
     ZB-H1 ``(P-1)(T_F+T_B-T_W)``, ZB-H2 ``(P-1)(T_F+T_B-2T_W)`` (Qi et al. 2024, Table 1,
-    the idle time of a stage between its first and last op), ZB-V about 0 (the paper:
-    "nearly zero" at equal costs; our list-scheduled ZB-V does not reach it, see the
-    lesson)."""
+    the idle time of a stage between its first and last op), ZB-V 0 (the paper's setting:
+    equal costs and ``M >= 2P-1``; see :func:`_zb_v` for fewer micro-batches)."""
     check_choice("kind", kind, ZOO)
     p = check_int("stages", stages, lo=1)
     full = (p - 1) * (t_f + t_b + t_w)
@@ -201,17 +348,18 @@ def paper_bubble(kind: str, stages: int, v: int = 1, t_f: float = 1.0, t_b: floa
 def in_flight_formula(kind: str, stages: int, micro_batches: int, v: int = 2) -> float:
     """The peak activations held by rank 0 in whole-stage units: GPipe ``M``, 1F1B ``P``,
     interleaved ``P + (P-1)/v`` (its deeper warm-up: ``2(P-1) + (v-1)P + 1`` chunks of
-    ``1/v``), ZB-H2 ``2P-1``, our list-scheduled ZB-H1 ``2P-1`` too (``P`` awaiting B plus up
-    to ``P-1`` awaiting W; the paper's hand-built ZB-H1 keeps 1F1B's ``P``), ZB-V ``P``
-    (all capped at ``M``)."""
+    ``1/v``), ZB-H2 ``2P-1``, ZB-H1 ``P`` (the paper's construction: ``P-s`` awaiting B
+    plus ``s`` awaiting W on stage ``s``), all capped at ``M``; ZB-V ``min(P, (M+1)/2)``:
+    ``P`` for ``M >= 2P-1``, and with fewer micro-batches rank 0, which turns them round at
+    the loss first, holds less than the others (rank ``r``: ``min(P, M, (M+1+r)/2)``)."""
     check_choice("kind", kind, ZOO)
     p, m = check_int("stages", stages, lo=1), check_int("micro_batches", micro_batches, lo=1)
     if kind == "gpipe":
         return float(m)
-    if kind in ("1f1b", "zb-v"):
+    if kind in ("1f1b", "zb-h1"):
         return float(min(p, m))
+    if kind == "zb-v":
+        return min(p, (m + 1) / 2)
     if kind == "zb-h2":
         return float(min(2 * p - 1, m))
-    if kind == "interleaved":
-        return min(p + (p - 1) / v, m) if v > 1 else float(min(p, m))
-    return float(min(2 * p - 1, m))
+    return min(p + (p - 1) / v, m) if v > 1 else float(min(p, m))   # interleaved
