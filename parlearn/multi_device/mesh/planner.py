@@ -10,7 +10,7 @@ nodes). Every term is a formula, labelled modeled:
   global batch (``2 N + 4 L s h`` per token), plus what recomputation repeats (full: ``F``;
   selective: the attention core's ``4 L s h`` per token), split evenly over the GPUs, at
   the card's matmul rate for the workload's dtype (a preset card's rate is the datasheet
-  PEAK, so modeled MFU is an upper bound: compare it with the Playbook's measured anchor);
+  PEAK, so modeled MFU is an upper bound: compare it with :data:`MEASURED_MFU`);
 - **pipeline bubble**: the 1F1B makespan stretches each stage's work by ``(M + P - 1) / M``
   for ``M`` micro-batches (:func:`parlearn.pipeline.bubble_formula`, which the simulator
   reproduces for equal stages);
@@ -43,14 +43,18 @@ from parlearn.multi_device.transformer.model import GPTConfig, count_params
 from parlearn.multi_device.transformer.train import flops_per_token
 
 __all__ = ["Plan", "Cluster", "Prediction", "LlamaWorkload", "TinyGPT", "plans", "predict",
-           "rank_plans", "PLAYBOOK_MFU"]
+           "rank_plans", "MEASURED_MFU"]
 
 RECOMPUTE = ("none", "selective", "full")
 
-# The Ultra-Scale Playbook (Tazi et al., Hugging Face, 2025), "finding the best
-# configuration": the best MFU its ~4000 measured runs reached on H100 nodes, by model size
-# (read off its heat map; rounded). Anchors to print beside modeled picks, not inputs.
-PLAYBOOK_MFU = {"1B": 0.51, "3B": 0.46, "8B": 0.44, "70B": 0.28}
+# Published measured MFU of real runs, as anchors to print beside modeled picks (not inputs).
+MEASURED_MFU = [
+    {"run": "Llama 3 405B pre-training, 8,192-16,384 H100s, BF16 (TP 8, PP 16, CP 1-16)",
+     "mfu": (0.38, 0.43),
+     "source": "Llama Team, 'The Llama 3 Herd of Models', arXiv:2407.21783 (2024), table 4"},
+    {"run": "Megatron-LM, 1T-parameter GPT on 3,072 A100s (PTD-P)", "mfu": (0.52, 0.52),
+     "source": "Narayanan et al., SC 2021, arXiv:2104.04473 (163 of 312 TFLOP/s per GPU)"},
+]
 
 
 @dataclass(frozen=True)
