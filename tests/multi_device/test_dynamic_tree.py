@@ -85,8 +85,10 @@ def test_chunked_coding_equals_the_reference_chunk_by_chunk(world):
 def test_bad_input_is_refused_naming_the_argument():
     with pytest.raises(ValueError, match="scale"):
         T.quantize(torch.tensor([2.0]), scale=1.0)
-    with pytest.raises(ValueError, match="x"):
-        T.quantize(torch.tensor([float("nan")]))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for scale in (None, 1.0):
+            with pytest.raises(ValueError, match="x must not contain NaN"):
+                T.quantize(torch.tensor([0.5, bad]), scale=scale)
     with pytest.raises(ValueError, match="scale"):
         T.dequantize(torch.zeros(3, dtype=torch.uint8), torch.ones(2))
     with pytest.raises(ValueError, match="quantize_s"):

@@ -34,6 +34,7 @@ measures both. The all-reduce built on them is in
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -154,8 +155,15 @@ def _codes_of(y: torch.Tensor) -> torch.Tensor:
     :func:`quantize_reference` picks it after its clamp to [-1, 1]: the rows at and
     beyond +-1 already count all (or no) midpoints, so no clamp is needed."""
     rows, mid, codes = _lookup(y.device)
-    below = rows[(y.view(torch.int64) >> _KEY_SHIFT) & _KEY_MASK]
-    return codes[below + (mid[below] < y)]
+    flat = y.reshape(-1).contiguous()
+    if sys.byteorder == "little":
+        # the high 32-bit word of each float64 holds its top 20 bits: half the bytes to shift
+        key = (flat.view(torch.int32)[1::2] >> (_KEY_SHIFT - 32)) & _KEY_MASK
+    else:
+        key = (flat.view(torch.int64) >> _KEY_SHIFT) & _KEY_MASK
+    # index_select, not y[idx]: the 1-D gather is 2-3x faster than advanced indexing
+    below = rows.index_select(0, key)
+    return codes.index_select(0, below + (mid.index_select(0, below) < flat)).view(y.shape)
 
 
 def quantize(x: torch.Tensor, *, scale: torch.Tensor | float | None = None
@@ -168,10 +176,23 @@ def quantize(x: torch.Tensor, *, scale: torch.Tensor | float | None = None
     smaller one). One table lookup on the float64's bits and one comparison per element;
     equals :func:`quantize_reference` (a binary search) exactly.
     """
-    check_tensor("x", x, floating=True, finite=True)
-    xd = x.detach().to(torch.float64)
-    s = _check_scale(xd, scale)
-    return _codes_of(xd / s), s
+    if scale is not None:
+        check_tensor("x", x, floating=True, finite=True)
+        xd = x.detach().to(torch.float64)
+        s = _check_scale(xd, scale)
+        return _codes_of(xd / s), s
+    check_tensor("x", x, floating=True)
+    # max |x| from one min/max pass in x's own dtype (exact in float64 later); NaN or inf
+    # in x make it non-finite, which replaces a separate isfinite pass over x
+    if x.numel():
+        lo, hi = torch.aminmax(x.detach())
+        s = torch.maximum(-lo, hi).to(torch.float64)
+    else:
+        s = torch.zeros((), dtype=torch.float64, device=x.device)
+    if not bool(torch.isfinite(s)):
+        raise ValueError("x must not contain NaN or infinity")
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return _codes_of(x.detach().to(torch.float64) / s), s
 
 
 def dequantize_reference(codes: torch.Tensor, scale: torch.Tensor | float,
@@ -199,7 +220,8 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor | float,
     s = torch.as_tensor(scale, dtype=torch.float64, device=codes.device)
     if s.numel() != 1:
         raise ValueError(f"scale must be one number, got {s.numel()} values")
-    return _scaled_tables(s.reshape(()), dtype)[codes.to(torch.int32)]
+    table = _scaled_tables(s.reshape(()), dtype)
+    return table.index_select(0, codes.reshape(-1).to(torch.int32)).view(codes.shape)
 
 
 def quantize_linear_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,9 +263,12 @@ def relative_error(magnitudes: torch.Tensor, kind: str = "dynamic_tree") -> torc
 def _quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of float64 ``rows`` quantized with its own absmax scale, all rows in one
     lookup: equals :func:`quantize` row by row."""
-    s = (rows.abs().amax(1) if rows.shape[1] else
-         torch.zeros(rows.shape[0], dtype=torch.float64, device=rows.device))
-    s = torch.where(s > 0, s, torch.ones_like(s))
+    if rows.shape[1]:
+        lo, hi = torch.aminmax(rows, dim=1)
+        s = torch.maximum(-lo, hi)
+    else:
+        s = torch.zeros(rows.shape[0], dtype=torch.float64, device=rows.device)
+    s = torch.where(s == 0, torch.ones_like(s), s)    # keeps NaN and inf for the caller
     return _codes_of(rows / s[:, None]), s
 
 
@@ -253,7 +278,8 @@ def _dequantize_rows(codes: torch.Tensor, scales: torch.Tensor,
     stacked scaled tables: equals :func:`dequantize` row by row."""
     tables = _scaled_tables(scales, dtype).reshape(-1)
     offsets = 256 * torch.arange(codes.shape[0], dtype=torch.int32, device=codes.device)
-    return tables[codes.to(torch.int32) + offsets[:, None]]
+    index = (codes.to(torch.int32) + offsets[:, None]).reshape(-1)
+    return tables.index_select(0, index).view(codes.shape)
 
 
 def coding_seconds(numel: int = 2**21, *, repeat: int = 5, seed: int = 0) -> Comparison:
