@@ -98,14 +98,17 @@ def test_bad_input_is_refused_naming_the_argument():
 
 
 def test_compressed_all_reduce_time_adds_the_coding_it_does():
-    # N=4, 10 elements padded to 12: quantize 12 + 3, dequantize 3 * 12
+    # N=4, 10 elements padded to 12: quantize 12 + 3, dequantize 2 * 12 (+ 12 + 3 with
+    # error feedback's residuals)
     free = dist.AlphaBeta(0.0, 0.0)
     assert C.compressed_all_reduce_time(10, 4, free, quantize_s=1.0) == pytest.approx(15)
-    assert C.compressed_all_reduce_time(10, 4, free, dequantize_s=1.0) == pytest.approx(36)
+    assert C.compressed_all_reduce_time(10, 4, free, dequantize_s=1.0) == pytest.approx(24)
+    assert C.compressed_all_reduce_time(10, 4, free, dequantize_s=1.0,
+                                        error_feedback=True) == pytest.approx(39)
     ab = dist.AlphaBeta(1e-3, 1e-6)
     plain = C.compressed_all_reduce_time(10, 4, ab)
     assert C.compressed_all_reduce_time(10, 4, ab, quantize_s=2.0, dequantize_s=0.5) == \
-        pytest.approx(plain + 30 + 18)
+        pytest.approx(plain + 30 + 12)
 
 
 @pytest.mark.parametrize("world", [2, 8])

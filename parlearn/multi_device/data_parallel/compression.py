@@ -61,13 +61,17 @@ class ErrorFeedback:
         return r
 
 
-def _chunked_quantize(x: torch.Tensor, world: int, reference: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x`` (float64, length world*m) as codes (world, m), scales (world,), dequantized;
-    ``reference`` codes chunk by chunk with the serial reference coders."""
+def _chunked_quantize(x: torch.Tensor, world: int, reference: bool = False, *,
+                      back: bool = True) -> tuple[torch.Tensor, torch.Tensor,
+                                                  torch.Tensor | None]:
+    """``x`` (float64, length world*m) as codes (world, m), scales (world,), dequantized
+    (None unless ``back``: only error feedback needs it); ``reference`` codes chunk by
+    chunk with the serial reference coders."""
     rows = x.view(world, -1)
     if not reference:
         codes, scales = _quantize_rows(rows)
+        if not back:
+            return codes, scales, None
         return codes, scales, _dequantize_rows(codes, scales, torch.float64).reshape(-1)
     codes = torch.empty(rows.shape, dtype=torch.uint8, device=x.device)
     scales = torch.empty(world, dtype=torch.float64, device=x.device)
@@ -131,10 +135,11 @@ def compressed_all_reduce(x: torch.Tensor, *, average: bool = True,
     m = flat.numel() // world
     if error_feedback is not None:
         flat = flat + ErrorFeedback._get(error_feedback.local, key, flat)
-    codes, scales, back = _chunked_quantize(flat, world, ref)
+    codes, scales, back = _chunked_quantize(flat, world, ref,
+                                            back=error_feedback is not None)
     if not bool(torch.isfinite(scales).all()):      # NaN or inf in x: before any message
         raise ValueError("x must not contain NaN or infinity")
-    if error_feedback is not None:
+    if error_feedback is not None and back is not None:
         error_feedback.local[key] = flat - back
 
     recv_codes = torch.empty_like(codes)
@@ -239,23 +244,27 @@ dettmers8_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
 def compressed_all_reduce_time(numel: int, world_size: int, model, *,
-                               quantize_s: float = 0.0, dequantize_s: float = 0.0) -> float:
+                               quantize_s: float = 0.0, dequantize_s: float = 0.0,
+                               error_feedback: bool = False) -> float:
     """Modeled seconds of :func:`compressed_all_reduce` on ``numel`` elements: the four
     collectives it issues, each by ``parlearn.dist.collective_time`` (ring):
     ``all_to_all_single`` and ``all_gather_single`` of ``n = N * ceil(numel / N)`` code
-    bytes, and the same two of ``4 N`` scale bytes; plus its coding,
-    ``n (1 + 1/N) quantize_s + 3 n dequantize_s`` (it quantizes its n elements and its own
-    chunk of n/N; it dequantizes its n elements for the residual, the N received chunks
-    and the n gathered ones), with ``quantize_s`` and ``dequantize_s`` seconds per element
-    (measured by :func:`coding_seconds`; 0 leaves the coding out)."""
+    bytes, and the same two of ``4 N`` scale bytes; plus its coding, ``n (1 + 1/N)
+    quantize_s + 2 n dequantize_s`` (it quantizes its n elements and its own chunk of
+    n/N, and dequantizes the N received chunks and the n gathered elements; with
+    ``error_feedback`` also its n elements and its chunk for the residuals, ``n (1 +
+    1/N)`` more), with ``quantize_s`` and ``dequantize_s`` seconds per element (measured
+    by :func:`coding_seconds`; 0 leaves the coding out)."""
     from parlearn.dist import collective_time
 
     numel = check_int("numel", numel, lo=1)
     world_size = check_int("world_size", world_size, lo=1)
     quantize_s = check_float("quantize_s", quantize_s, lo=0)
     dequantize_s = check_float("dequantize_s", dequantize_s, lo=0)
+    check_bool("error_feedback", error_feedback)
     n = world_size * -(-numel // world_size)
-    coding = n * (1 + 1 / world_size) * quantize_s + 3 * n * dequantize_s
+    own = n * (1 + 1 / world_size)
+    coding = own * quantize_s + (2 * n + (own if error_feedback else 0)) * dequantize_s
     if world_size == 1:
         return coding
     return coding + sum(collective_time(kind, b, world_size, model)
