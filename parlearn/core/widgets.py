@@ -28,7 +28,7 @@ from traitlets import TraitError
 
 from parlearn.core.checks import check_int
 
-__all__ = ["Dashboard", "control"]
+__all__ = ["Dashboard", "control", "OptionalRun"]
 
 
 def control(spec: Any, name: str) -> W.ValueWidget:
@@ -232,3 +232,50 @@ class Dashboard:
         display(self.widget())
         self._displayed = True
         self._render()
+
+
+class OptionalRun:
+    """A button for an optional, slow step of a lesson (a comparison with a real package):
+    pressing it calls ``run()`` and shows the text it returns, or its error, below it.
+
+    ``now=True`` presses it at once, errors raising (``settings.fast()`` in a lesson: the
+    tests run exactly what the button runs, and fail when it fails); otherwise Run All
+    skips the step until the reader asks for it. ``text`` holds the last result.
+    """
+
+    def __init__(self, description: str, run: Callable[[], str], *, now: bool = False) -> None:
+        if not callable(run):
+            raise TypeError(f"run must be callable, got {type(run).__name__}")
+        if not isinstance(now, bool):
+            raise TypeError(f"now must be a bool, got {type(now).__name__}")
+        self.run_fn = run
+        self.button = W.Button(description=description, button_style="info",
+                               layout={"width": "auto"})
+        self.status = W.HTML("<i>not run: press the button</i>")
+        self.text: str | None = None
+        self.error: Exception | None = None
+        self.button.on_click(lambda _: self._press_safely())
+        if now:
+            self._press()
+
+    def _press(self) -> str:
+        self.status.value = "<i>running...</i>"
+        start = time.perf_counter()
+        self.text = str(self.run_fn())
+        self.status.value = (f"<pre>{html.escape(self.text)}</pre>"
+                             f"<i>done in {time.perf_counter() - start:.1f} s</i>")
+        return self.text
+
+    def _press_safely(self) -> None:
+        # A browser callback has nowhere to raise to: the error goes to the status line.
+        self.error = None
+        try:
+            self._press()
+        except Exception as err:  # noqa: BLE001 - shown to the user, not swallowed
+            self.error = err
+            self.status.value = f"<b>error ({type(err).__name__}):</b> {html.escape(str(err))}"
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(W.VBox([self.button, self.status]))

@@ -1,7 +1,7 @@
 import ipywidgets as W
 import pytest
 
-from parlearn.core.widgets import Dashboard, control
+from parlearn.core.widgets import Dashboard, OptionalRun, control
 
 
 def _compute(n, scale, kind):
@@ -150,3 +150,26 @@ def test_ncols_is_checked():
         _dash(ncols=1.5)
     with pytest.raises(ValueError, match="ncols"):
         _dash(ncols=0)
+
+
+def test_optional_run_waits_for_the_button_and_shows_errors():
+    calls = []
+    r = OptionalRun("go", lambda: calls.append(1) or f"ran {len(calls)}")
+    assert calls == [] and r.text is None            # Run All skips it
+    r.button.click()
+    assert calls == [1] and r.text == "ran 1" and "ran 1" in r.status.value
+
+    def broken() -> str:
+        raise RuntimeError("no <package>")
+
+    b = OptionalRun("go", broken)
+    b.button.click()                                 # in the browser: shown, not raised
+    assert isinstance(b.error, RuntimeError) and "&lt;package&gt;" in b.status.value
+
+
+def test_optional_run_now_runs_at_once_and_raises():
+    assert OptionalRun("go", lambda: "done", now=True).text == "done"
+    with pytest.raises(RuntimeError, match="boom"):
+        OptionalRun("go", lambda: (_ for _ in ()).throw(RuntimeError("boom")), now=True)
+    with pytest.raises(TypeError, match="run"):
+        OptionalRun("go", 3)

@@ -147,6 +147,21 @@ def test_overlap_top_k_equals_dense(any_device, V, support, top_k):
     torch.testing.assert_close(sparse, dense, atol=1e-9, rtol=0)
     assert sparse[0, 0, 1].item() == pytest.approx(1.0, abs=1e-9)
     torch.testing.assert_close(sparse, sparse.transpose(1, 2), atol=1e-12, rtol=0)
+    # the entropy form equals the term-by-term gather it replaced, cut or not
+    gather = D.mean_field._overlap_coupling_gather(p, masked, top_k=top_k)
+    torch.testing.assert_close(sparse, gather, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("top_k", [32, 5])
+def test_overlap_entropy_form_equals_the_gather_form(top_k):
+    # Rows a little off a sum of one (as float32 softmax outputs are): both renormalise.
+    p = _sparse_probs(4, 9, 32, 32, "cpu", seed=5) * 1.001
+    masked = torch.ones(4, 9, dtype=torch.bool)
+    fast = D.overlap_coupling(p, masked, top_k=top_k)
+    ref = D.mean_field._overlap_coupling_gather(p, masked, top_k=top_k)
+    torch.testing.assert_close(fast, ref, atol=1e-12, rtol=0)
+    if top_k == 32:           # nothing cut: computed once per pair, so exactly symmetric
+        assert torch.equal(fast, fast.transpose(1, 2))
 
 
 @pytest.mark.parametrize("temp", [3.0, 6.0])
@@ -222,8 +237,9 @@ def test_overlap_memory_at_real_vocabulary():
 # --- the fixed point -----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("eta", [0.5, 0.3])  # 0.3: a damping that is not its own complement
 @pytest.mark.parametrize("per_row_tau", [False, True])
-def test_mean_field_commit_equals_loop_reference(any_device, per_row_tau):
+def test_mean_field_commit_equals_loop_reference(any_device, per_row_tau, eta):
     g = torch.Generator().manual_seed(1)
     B, L = 6, 11
     conf = torch.rand(B, L, generator=g, dtype=torch.float64).to(any_device)
@@ -233,7 +249,7 @@ def test_mean_field_commit_equals_loop_reference(any_device, per_row_tau):
     J = 1.5 * (J + J.transpose(1, 2))
     tau = (torch.rand(B, generator=g, dtype=torch.float64).to(any_device) * 0.5 + 0.1
            if per_row_tau else 0.3)
-    kw = dict(tau=tau, beta=4.0, eta=0.5, tol=1e-10, max_iter=300)
+    kw = dict(tau=tau, beta=4.0, eta=eta, tol=1e-10, max_iter=300)
     c1, q1, s1, r1 = D.mean_field_commit(conf, J, masked, **kw)
     c2, q2, s2, r2 = D._mean_field_commit_loop(conf, J, masked, **kw)
     torch.testing.assert_close(q1, q2, atol=1e-12, rtol=0)

@@ -90,7 +90,14 @@ def _worker_compressed(rank, world, xs, steps):
             outs.append(C.compressed_all_reduce(xs[t][rank], error_feedback=ef))
         recs.append([(r.kind, r.bytes) for r in led.records])
         plain.append(C.compressed_all_reduce(xs[t][rank], average=False))
-    return outs, plain, recs
+        assert torch.equal(plain[-1], C.compressed_all_reduce(xs[t][rank], average=False,
+                                                              reference_coding=True))
+    refused = ""
+    try:                                  # every rank refuses before sending anything
+        C.compressed_all_reduce(torch.tensor([1.0, float("nan")]))
+    except ValueError as err:
+        refused = str(err)
+    return outs, plain, recs, refused
 
 
 @pytest.mark.parametrize("world,n", [(2, 12), (3, 11)])
@@ -108,6 +115,7 @@ def test_compressed_all_reduce_equals_reference_and_sends_a_quarter(world, n):
             assert torch.equal(res[r][1][t], plain)
         exact = torch.stack(xs[t]).mean(0)
         assert float((ref - exact).abs().max()) < 0.05 * float(exact.abs().max())
+    assert all(r[3] == "x must not contain NaN or infinity" for r in res)
     # wire bytes by the ledger: codes are 1/4 of a float32 ring all-reduce, plus scales
     m = -(-n // world)
     wire = sum(dist.ring_bytes(k, b, world) for k, b in res[0][2][0])

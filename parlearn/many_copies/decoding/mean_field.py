@@ -51,20 +51,10 @@ def overlap_coupling_dense(probs: torch.Tensor, masked: torch.Tensor) -> torch.T
     return (1.0 - jsd / math.log(2)).clamp(0.0, 1.0)
 
 
-def overlap_coupling(probs: torch.Tensor, masked: torch.Tensor, *,
-                     top_k: int = 32) -> torch.Tensor:
-    """``1 - JSD(p_i, p_j) / ln 2`` for every pair, each ``p_i`` cut to its top-``k`` support.
-
-    For distributions that sum to one, ``JSD = ln 2 + 1/2 sum_v g(p_v, q_v)`` with
-    ``g(a, b) = a ln(a/(a+b)) + b ln(b/(a+b))``, and ``g`` vanishes where either is 0.
-    So the overlap is ``-sum_v g(p_i(v), p_j(v)) / (2 ln 2)``, a sum over the tokens
-    both distributions support. Each ``p_i`` is kept on its ``top_k`` most likely
-    tokens and renormalised there, which turns the sum into a gather of ``(B, L, k, L)``
-    values: memory ``O(B L^2 k)`` beyond the ``(B, L, V)`` input, instead of the
-    ``O(B L^2 V)`` of :func:`overlap_coupling_dense`. Where every support has at most
-    ``top_k`` tokens the two are equal (to round-off, tested); otherwise this is the
-    overlap of the renormalised top-``k`` distributions (identical ones still give 1).
-    """
+def _overlap_coupling_gather(probs: torch.Tensor, masked: torch.Tensor, *,
+                             top_k: int = 32) -> torch.Tensor:
+    """Reference for :func:`overlap_coupling` (its first form): ``g`` summed term by term
+    over each ``p_i``'s top-``k`` support, from a ``(B, L, k, L)`` gather."""
     k = min(top_k, probs.shape[-1])
     vals, idx = probs.topk(k, dim=-1)  # (B, L, k)
     vals = vals / vals.sum(-1, keepdim=True)
@@ -78,6 +68,50 @@ def overlap_coupling(probs: torch.Tensor, masked: torch.Tensor, *,
                     torch.zeros((), dtype=probs.dtype, device=probs.device))
     overlap = -g.reshape(B, L, L, k).sum(-1).transpose(1, 2) / (2 * math.log(2))
     return overlap.clamp(0.0, 1.0)
+
+
+def overlap_coupling(probs: torch.Tensor, masked: torch.Tensor, *,
+                     top_k: int = 32) -> torch.Tensor:
+    """``1 - JSD(p_i, p_j) / ln 2`` for every pair, each ``p_i`` cut to its top-``k`` support.
+
+    For distributions that sum to one, ``JSD = ln 2 + 1/2 sum_v g(p_v, q_v)`` with
+    ``g(a, b) = a ln(a/(a+b)) + b ln(b/(a+b)) = a ln a + b ln b - (a+b) ln(a+b)``, which
+    vanishes where either is 0. So the overlap is ``-sum_v g(p_i(v), p_j(v)) / (2 ln 2)``:
+    the two entropies (one per position) and one pairwise sum of ``s ln s``, ``s = p_i +
+    p_j`` (three elementwise passes over the pairs instead of a dozen). Each ``p_i`` is
+    kept on its ``top_k`` most likely tokens and renormalised there; when that cuts
+    something, the pairwise sum runs over ``p_i``'s support, from a gather of ``(B, L, L,
+    k)`` values (memory ``O(B L^2 k)`` beyond the ``(B, L, V)`` input, instead of the
+    ``O(B L^2 V)`` of :func:`overlap_coupling_dense`): ``sum_v s ln s = sum_{t in supp
+    p_i} (s_t ln s_t - q_t ln q_t) + sum_v q_v ln q_v``. Where every support has at most
+    ``top_k`` tokens this equals the dense form (to round-off, tested); otherwise it is
+    the overlap of the renormalised top-``k`` distributions (identical ones still give 1).
+    """
+    B, L, V = probs.shape
+    k = min(top_k, V)
+    if k == V:                          # nothing to cut: the pairwise sum over all V
+        p = probs / probs.sum(-1, keepdim=True)      # the identity needs sums of one
+        # p_i + p_j is p_j + p_i bit for bit: the pairs i <= j are all there is to compute
+        i, j = torch.triu_indices(L, L, device=probs.device)
+        s = p.index_select(1, i) + p.index_select(1, j)
+        pairs = torch.xlogy(s, s).sum(-1)
+        cross = probs.new_empty(B, L, L)
+        cross[:, i, j] = pairs
+        cross[:, j, i] = pairs
+        neg_h = torch.xlogy(p, p).sum(-1)
+        overlap = cross - neg_h[:, :, None] - neg_h[:, None, :]
+    else:
+        vals, idx = probs.topk(k, dim=-1)  # (B, L, k)
+        vals = vals / vals.sum(-1, keepdim=True)
+        trunc = torch.zeros_like(probs).scatter_(-1, idx, vals)  # p_j on its own top-k
+        # other[b, j, i*k + t] = trunc[b, j, idx[b, i, t]]
+        other = trunc.gather(-1, idx.reshape(B, 1, L * k).expand(B, L, L * k))
+        s = vals.reshape(B, 1, L * k) + other
+        inside = (torch.xlogy(s, s) - torch.xlogy(other, other)).reshape(B, L, L, k).sum(-1)
+        neg_h = torch.xlogy(vals, vals).sum(-1)
+        # inside[b, j, i] sums over p_i's support; p_j's entropy term cancels
+        overlap = inside.transpose(1, 2) - neg_h[:, :, None]
+    return (overlap / (2 * math.log(2))).clamp(0.0, 1.0)
 
 
 def coupling_matrix(probs: torch.Tensor, masked: torch.Tensor, *, lam: float,
@@ -169,12 +203,17 @@ def mean_field_commit(conf: torch.Tensor, J: torch.Tensor, masked: torch.Tensor,
     Jp = Jp * (keep[:, :, None] & keep[:, None, :]) * (1 - torch.eye(n, device=J.device,
                                                                      dtype=J.dtype))
     q = torch.sigmoid(beta * h)  # the J = 0 solution as the start
+    # The update of rank r is three kernels on views made once (the loop is the cost:
+    # n steps per sweep, each too small to be worth more than its dispatch):
+    # beta h_r - (beta J_r) . q in one batched matmul, sigmoid in place, and the damping
+    # (1 - eta) q_r + eta s as q_r.lerp_(s, eta). Same values to round-off.
+    bh, bJ, column = (beta * h)[:, :, None, None], beta * Jp, q[:, :, None]
+    steps = [(bh[:, r], bJ[:, r:r + 1, :], column[:, r:r + 1]) for r in range(n)]
     residual, sweeps = (math.inf if n else 0.0), 0
     while residual > tol and sweeps < max_iter:
         before = q.clone()
-        for r in range(n):
-            field_r = h[:, r] - (Jp[:, r, :] * q).sum(-1)
-            q[:, r] = (1 - eta) * q[:, r] + eta * torch.sigmoid(beta * field_r)
+        for bh_r, bJ_r, q_r in steps:
+            q_r.lerp_(torch.baddbmm(bh_r, bJ_r, column, alpha=-1).sigmoid_(), eta)
         residual = (q - before).abs().max().item()
         sweeps += 1
     q_full = torch.zeros_like(conf, dtype=q.dtype).scatter_(-1, order, q)

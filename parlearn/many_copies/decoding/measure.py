@@ -13,6 +13,7 @@ import torch
 from parlearn.core.bench import Row
 from parlearn.core.checks import check_float, check_int
 from parlearn.many_copies.decoding.loop import STRATEGIES, DecodeResult, _check_params, decode
+from parlearn.many_copies.decoding.mean_field import overlap_coupling
 
 __all__ = ["GRIDS", "FAMILY_TAUS", "sweep", "best_setting", "family_table",
            "format_family_table", "bench"]
@@ -147,6 +148,8 @@ def bench(device: torch.device, quick: bool) -> list[Row]:
                 f"batch {batch}: denoiser {res.denoiser_seconds * 1e3:.0f} ms, strategy (the "
                 f"decoder's own cost) {res.strategy_seconds * 1e3:.0f} ms (ratio = passes, "
                 "not time)"))
+    for dname, den in denoisers.items():
+        rows.append(_own_time_row(dname, den, lang, batch, device, quick))
     # The family's exact denoisers run on the CPU whatever ``device`` is: the row says so.
     fam = family_table(None if not quick else _quick_family(), batch=batch // 2)
     rows.append(Row(
@@ -169,3 +172,84 @@ def _quick_family():
 
 def _on_device(fn, device, tokens):
     return fn(tokens.cpu()).to(device)
+
+
+def _previous_commit(conf, J, masked, *, tau, beta, eta, tol=1e-7, max_iter=200):
+    """:func:`mean_field_commit` as it was before issue 29 (ten small kernels per rank
+    and step), kept only as the "before" of the bench's own-time row."""
+    import math
+
+    from parlearn.many_copies.decoding.mean_field import _fields
+
+    B, L = conf.shape
+    order = conf.masked_fill(~masked, -math.inf).argsort(dim=-1, descending=True, stable=True)
+    n = int(masked.sum(-1).max().item())
+    order = order[:, :n]
+    h = _fields(conf, masked, tau).gather(-1, order)
+    keep = masked.gather(-1, order)
+    Jp = J.gather(1, order[:, :, None].expand(B, n, L)).gather(2, order[:, None, :].expand(
+        B, n, n))
+    Jp = Jp * (keep[:, :, None] & keep[:, None, :]) * (1 - torch.eye(n, device=J.device,
+                                                                     dtype=J.dtype))
+    q = torch.sigmoid(beta * h)
+    residual, sweeps = (math.inf if n else 0.0), 0
+    while residual > tol and sweeps < max_iter:
+        before = q.clone()
+        for r in range(n):
+            field_r = h[:, r] - (Jp[:, r, :] * q).sum(-1)
+            q[:, r] = (1 - eta) * q[:, r] + eta * torch.sigmoid(beta * field_r)
+        residual = (q - before).abs().max().item()
+        sweeps += 1
+    q_full = torch.zeros_like(conf, dtype=q.dtype).scatter_(-1, order, q)
+    return (q_full > 0.5) & masked, q_full, sweeps, residual
+
+
+def _own_time_row(dname: str, den, lang, batch: int, device, quick: bool) -> Row:
+    """The decoder's own work on the first (all-masked, heaviest) pass against one
+    denoiser pass and against the decoder before issue 29, measured interleaved."""
+    from parlearn.core.timing import compare
+    from parlearn.many_copies.decoding.loop import _probabilities
+    from parlearn.many_copies.decoding.mean_field import (
+        _overlap_coupling_gather,
+        auto_tau,
+        coupling_matrix,
+        mean_field_commit,
+    )
+    from parlearn.many_copies.decoding.strategies import confidence
+
+    tokens = torch.full((batch, lang.length), lang.mask_id, dtype=torch.int64,
+                        device=device)
+    masked = tokens == lang.mask_id
+
+    def denoise():
+        with torch.no_grad():
+            return _probabilities(den(tokens), tokens, lang.mask_id)
+
+    probs = denoise()
+
+    def decoder(coupling, commit):
+        def run():
+            conf = confidence(probs, masked)
+            J = coupling_matrix(probs, masked, lam=8.0, coupling=coupling)
+            return commit(conf, J, masked, tau=auto_tau(conf, masked), beta=8.0, eta=0.5)
+        return run
+
+    cmp = compare({"denoiser": denoise,
+                   "before": decoder(_overlap_coupling_gather, _previous_commit),
+                   "after": decoder(overlap_coupling, mean_field_commit)},
+                  baseline="before", repeat=3 if quick else 9, device=device)
+    t = cmp.timings
+    lo, hi = cmp.speedup_range("after")
+    return Row(f"decoding {dname}", "mean-field decoder before issue 29 (one pass)",
+               "mean-field decoder now (one pass)", cmp.speedup("after"), str(device),
+               "decoder's own time <= one denoiser pass",
+               # no verdict from timings too noisy to read
+               t["after"].median <= t["denoiser"].median if cmp.reliable else None,
+               f"first pass, batch {batch}, L={lang.length}, defaults; {cmp.threads} "
+               f"thread(s), {t['after'].repeats} interleaved repeats, ratio IQR "
+               f"{lo:.2f}-{hi:.2f}: decoder {t['after'].median * 1e3:.1f} ms (spread "
+               f"{t['after'].spread:.0%}), before {t['before'].median * 1e3:.1f} ms, one "
+               f"denoiser pass {t['denoiser'].median * 1e3:.1f} ms (spread "
+               f"{t['denoiser'].spread:.0%})"
+               + ("" if cmp.reliable else "; WARNING: spread too wide to read, another "
+                  "program is using the cores"))

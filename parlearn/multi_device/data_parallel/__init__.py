@@ -6,8 +6,10 @@ module             what it holds
 ``ddp``            :class:`NaiveDP`, :class:`BucketedDP` (overlapped buckets),
                    :class:`CompressedDP`, torch's DDP via :func:`make_ddp`, the serial
                    reference :func:`train_reference`, the step cost model
-``compression``    8-bit gradient codes (Dettmers 2016), the compressed all-reduce and its
-                   DDP comm hook, error feedback
+``dynamic_tree``   the 8-bit dynamic tree type (Dettmers 2016): its codes, the fast coders
+                   and their serial references
+``compression``    the compressed all-reduce on those codes, its DDP comm hook, error
+                   feedback, its cost with coding and the bandwidth where 8 bits pay
 ``stragglers``     slow workers: order statistics of delays, backup workers (Chen et al.)
 ``workers``        lesson 11's measurements on real ranks and the bench rows
 =================  =======================================================================

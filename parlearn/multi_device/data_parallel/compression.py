@@ -1,156 +1,42 @@
-"""Dettmers' 8-bit dynamic tree data type and a compressed all-reduce built on it.
+"""A compressed all-reduce on Dettmers' 8-bit dynamic tree codes, its DDP hook and its cost.
 
 Dettmers, "8-Bit Approximations for Parallelism in Deep Learning" (arXiv 1511.04561),
-sends gradients between GPUs as 8-bit codes of a *dynamic tree* type: a sign bit, then
-an exponent written as a run of zero bits ended by a one (the *indicator* bit), then the
-bits left over index a linear bisection tree of fractions. Big exponents (small numbers)
-eat fraction bits, so the type trades precision for range as a float does, but with a
-variable split.
-
-Reconstruction (we worked from the paper's description, not its code; the details below
-are our choices where the description leaves room):
-
-    bit 7      sign s
-    bits 6..   z zero bits (0 <= z <= 6), then the indicator bit 1
-    the rest   f = 6 - z fraction bits, read as an integer k in [0, 2**f)
-    value      (-1)**s * 10**(-z) * (0.1 + 0.9 * (k + 1) / 2**f)
-
-so exponent z covers (10**-(z+1), 10**-z] with 2**f linearly spaced values whose top one
-is exactly 10**-z (the leaves of a bisection tree of (0.1, 1], each leaf stored by its
-upper end). That gives +-1 exactly. The two codes with no indicator bit (a full run of 7
-zeros) are 0 (sign 0) and -1e-7 (sign 1, the next decade, so that all 256 codes are
-distinct). 127 + 127 + 2 = 256 codes.
-
-Values are scaled by the tensor's (or chunk's) absolute maximum before encoding, so the
-largest magnitude maps to +-1 exactly.
+sends gradients between GPUs as 8-bit codes of a *dynamic tree* type; the type and its
+coders are in :mod:`parlearn.multi_device.data_parallel.dynamic_tree` (re-exported here).
+:func:`compressed_all_reduce_time` models the all-reduce with its coding, and
+:func:`crossover_bandwidth` says below which link bandwidth the 8 bits pay.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as tdist
 
-from parlearn.core.checks import check_bool, check_int, check_tensor
+from parlearn.core.checks import check_bool, check_float, check_int, check_tensor
+from parlearn.multi_device.data_parallel.dynamic_tree import (
+    CODE_BITS,
+    _dequantize_rows,
+    _quantize_rows,
+    code_table,
+    coding_seconds,
+    dequantize,
+    dequantize_linear_int8,
+    dequantize_reference,
+    quantize,
+    quantize_linear_int8,
+    quantize_reference,
+    relative_error,
+    sorted_codes,
+)
 
 __all__ = ["CODE_BITS", "code_table", "sorted_codes", "quantize", "dequantize",
+           "quantize_reference", "dequantize_reference",
            "quantize_linear_int8", "dequantize_linear_int8", "relative_error",
            "compressed_all_reduce", "compressed_all_reduce_reference", "ErrorFeedback",
-           "dettmers8_hook", "Dettmers8HookState", "compressed_all_reduce_time"]
-
-CODE_BITS = 8
-
-
-def _value_of_code(code: int) -> float:
-    sign = -1.0 if code & 0x80 else 1.0
-    rest = code & 0x7F
-    if rest == 0:
-        return 0.0 if sign > 0 else -1e-7
-    z = 7 - rest.bit_length()           # zeros between the sign and the indicator bit
-    f = 6 - z                           # fraction bits after the indicator
-    k = rest & ((1 << f) - 1)
-    return sign * 10.0 ** (-z) * (0.1 + 0.9 * (k + 1) / 2 ** f)
-
-
-_TABLE: torch.Tensor | None = None
-
-
-def code_table() -> torch.Tensor:
-    """The 256 values, float64, indexed by the 8-bit code (``table[code]``)."""
-    global _TABLE
-    if _TABLE is None:
-        _TABLE = torch.tensor([_value_of_code(c) for c in range(256)], dtype=torch.float64)
-    return _TABLE.clone()
-
-
-def sorted_codes() -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values, codes)``: the table sorted by value, and the code of each sorted value."""
-    table = code_table()
-    values, order = torch.sort(table)
-    return values, order.to(torch.uint8)
-
-
-_SORTED: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-
-
-def _sorted_cache() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    global _SORTED
-    if _SORTED is None:
-        values, codes = sorted_codes()
-        midpoints = (values[1:] + values[:-1]) / 2
-        _SORTED = (values, codes, midpoints)
-    return _SORTED
-
-
-def quantize(x: torch.Tensor, *, scale: torch.Tensor | float | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(codes, scale)``: the nearest dynamic-tree code of each ``x / scale``.
-
-    ``scale`` defaults to ``max |x|`` (1 for an all-zero tensor); values of ``|x / scale|``
-    above 1 are refused rather than clipped. Codes are uint8 with ``x``'s shape; the
-    scale is a float64 scalar tensor. Rounding is to the nearest code value (ties to the
-    smaller one).
-    """
-    check_tensor("x", x, floating=True, finite=True)
-    xd = x.detach().to(torch.float64)
-    if scale is None:
-        s = xd.abs().max() if xd.numel() else torch.zeros((), dtype=torch.float64)
-        s = torch.where(s > 0, s, torch.ones_like(s))
-    else:
-        s = torch.as_tensor(scale, dtype=torch.float64, device=xd.device)
-        if s.numel() != 1 or not bool(s > 0):
-            raise ValueError(f"scale must be one positive number, got {scale!r}")
-        s = s.reshape(())
-        if xd.numel() and bool((xd.abs() > s * (1 + 1e-12)).any()):
-            raise ValueError("|x| exceeds scale: the 8-bit type holds values in [-1, 1] only")
-    values, codes, midpoints = _sorted_cache()
-    y = (xd / s).clamp(-1.0, 1.0)       # only round-off can exceed 1 after the check above
-    idx = torch.bucketize(y, midpoints.to(xd.device))
-    return codes.to(xd.device)[idx], s
-
-
-def dequantize(codes: torch.Tensor, scale: torch.Tensor | float,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``table[codes] * scale`` in ``dtype``."""
-    check_tensor("codes", codes, dtype=torch.uint8)
-    table = code_table().to(codes.device)
-    s = torch.as_tensor(scale, dtype=torch.float64, device=codes.device)
-    return (table[codes.long()] * s).to(dtype)
-
-
-def quantize_linear_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plain baseline: ``round(127 x / absmax)`` as int8, and the scale."""
-    check_tensor("x", x, floating=True, finite=True)
-    xd = x.detach().to(torch.float64)
-    s = xd.abs().max() if xd.numel() else torch.zeros((), dtype=torch.float64)
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    return torch.round(xd / s * 127).to(torch.int8), s
-
-
-def dequantize_linear_int8(q: torch.Tensor, scale: torch.Tensor | float,
-                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``q * scale / 127`` in ``dtype``."""
-    check_tensor("q", q, dtype=torch.int8)
-    return (q.to(torch.float64) * torch.as_tensor(scale, dtype=torch.float64) / 127).to(dtype)
-
-
-def relative_error(magnitudes: torch.Tensor, kind: str = "dynamic_tree") -> torch.Tensor:
-    """``|Q(x) - x| / |x|`` for each positive ``x`` in ``magnitudes`` (scale fixed to 1).
-
-    ``kind`` is ``"dynamic_tree"`` or ``"linear_int8"``. The scale is 1 so the error is
-    that of the type itself at ``|x| / absmax = x``.
-    """
-    check_tensor("magnitudes", magnitudes, floating=True, finite=True)
-    if bool((magnitudes <= 0).any()) or bool((magnitudes > 1).any()):
-        raise ValueError("magnitudes must lie in (0, 1]")
-    x = magnitudes.to(torch.float64)
-    if kind == "dynamic_tree":
-        c, s = quantize(x, scale=1.0)
-        back = dequantize(c, s, torch.float64)
-    elif kind == "linear_int8":
-        back = torch.round(x * 127) / 127
-    else:
-        raise ValueError(f"kind must be one of ['dynamic_tree', 'linear_int8'], got {kind!r}")
-    return (back - x).abs() / x
+           "dettmers8_hook", "Dettmers8HookState", "compressed_all_reduce_time",
+           "crossover_bandwidth", "coding_seconds"]
 
 
 class ErrorFeedback:
@@ -175,16 +61,37 @@ class ErrorFeedback:
         return r
 
 
-def _chunked_quantize(x: torch.Tensor, world: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                              torch.Tensor]:
-    """``x`` (float64, length world*m) as codes (world, m), scales (world,), dequantized."""
+def _chunked_quantize(x: torch.Tensor, world: int, reference: bool = False, *,
+                      back: bool = True) -> tuple[torch.Tensor, torch.Tensor,
+                                                  torch.Tensor | None]:
+    """``x`` (float64, length world*m) as codes (world, m), scales (world,), dequantized
+    (None unless ``back``: only error feedback needs it); ``reference`` codes chunk by
+    chunk with the serial reference coders."""
     rows = x.view(world, -1)
+    if not reference:
+        codes, scales = _quantize_rows(rows)
+        if not back:
+            return codes, scales, None
+        return codes, scales, _dequantize_rows(codes, scales, torch.float64).reshape(-1)
     codes = torch.empty(rows.shape, dtype=torch.uint8, device=x.device)
     scales = torch.empty(world, dtype=torch.float64, device=x.device)
     for j in range(world):
-        codes[j], scales[j] = quantize(rows[j])
-    back = torch.stack([dequantize(codes[j], scales[j], torch.float64) for j in range(world)])
+        codes[j], scales[j] = quantize_reference(rows[j])
+    back = torch.stack([dequantize_reference(codes[j], scales[j], torch.float64)
+                        for j in range(world)])
     return codes, scales, back.reshape(-1)
+
+
+def _quantize_one(x: torch.Tensor, reference: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if reference:
+        return quantize_reference(x)
+    codes, s = _quantize_rows(x.view(1, -1))
+    return codes.view(x.shape), s[0]
+
+
+def _dequantize_one(codes: torch.Tensor, scale: torch.Tensor, reference: bool
+                    ) -> torch.Tensor:
+    return (dequantize_reference if reference else dequantize)(codes, scale, torch.float64)
 
 
 def _padded(x: torch.Tensor, world: int) -> torch.Tensor:
@@ -195,7 +102,7 @@ def _padded(x: torch.Tensor, world: int) -> torch.Tensor:
 
 def compressed_all_reduce(x: torch.Tensor, *, average: bool = True,
                           error_feedback: ErrorFeedback | None = None, key: object = 0,
-                          group=None) -> torch.Tensor:
+                          group=None, reference_coding: bool = False) -> torch.Tensor:
     """Sum (or mean) of ``x`` over the ranks, sending 8-bit dynamic-tree codes only.
 
     Reduce-scatter style, in two collectives, on the ranks of ``group``:
@@ -212,20 +119,27 @@ def compressed_all_reduce(x: torch.Tensor, *, average: bool = True,
     exactly 1/4 of a float32 ring all-reduce's 2(N-1)/N * 4n, plus 2(N-1) float32 scales.
     Every rank gets the same result. ``error_feedback`` adds the residuals of both
     quantizations back in the next call with the same ``key`` (see :class:`ErrorFeedback`).
-    Equals :func:`compressed_all_reduce_reference` bit for bit.
+    ``reference_coding`` codes with the serial reference coders, chunk by chunk (the
+    "before" of the bench; same result). Equals :func:`compressed_all_reduce_reference`
+    bit for bit.
     """
-    check_tensor("x", x, floating=True)
+    check_tensor("x", x, floating=True)     # finiteness: from the chunk scales below
     check_bool("average", average)
+    check_bool("reference_coding", reference_coding)
     if error_feedback is not None and not isinstance(error_feedback, ErrorFeedback):
         raise TypeError("error_feedback must be an ErrorFeedback or None, got "
                         f"{type(error_feedback).__name__}")
+    ref = reference_coding
     world = tdist.get_world_size(group)
     flat = _padded(x, world)
     m = flat.numel() // world
     if error_feedback is not None:
         flat = flat + ErrorFeedback._get(error_feedback.local, key, flat)
-    codes, scales, back = _chunked_quantize(flat, world)
-    if error_feedback is not None:
+    codes, scales, back = _chunked_quantize(flat, world, ref,
+                                            back=error_feedback is not None)
+    if not bool(torch.isfinite(scales).all()):      # NaN or inf in x: before any message
+        raise ValueError("x must not contain NaN or infinity")
+    if error_feedback is not None and back is not None:
         error_feedback.local[key] = flat - back
 
     recv_codes = torch.empty_like(codes)
@@ -234,30 +148,36 @@ def compressed_all_reduce(x: torch.Tensor, *, average: bool = True,
     tdist.all_to_all_single(recv_scales, scales.to(torch.float32), group=group)
 
     mine = torch.zeros(m, dtype=torch.float64, device=x.device)
-    for i in range(world):
-        mine += dequantize(recv_codes[i], recv_scales[i].double(), torch.float64)
+    for i in range(world):              # in rank order, as the reference adds them
+        mine += _dequantize_one(recv_codes[i], recv_scales[i].double(), ref)
     if average:
         mine /= world
     if error_feedback is not None:
         mine = mine + ErrorFeedback._get(error_feedback.owner, key, mine)
-    my_codes, my_scale = quantize(mine)
+    my_codes, my_scale = _quantize_one(mine, ref)
     if error_feedback is not None:
-        error_feedback.owner[key] = mine - dequantize(my_codes, my_scale, torch.float64)
+        error_feedback.owner[key] = mine - _dequantize_one(my_codes, my_scale, ref)
 
     all_codes = torch.empty(world * m, dtype=torch.uint8, device=x.device)
     all_scales = torch.empty(world, dtype=torch.float32, device=x.device)
     tdist.all_gather_single(all_codes, my_codes, group=group)
     tdist.all_gather_single(all_scales, my_scale.to(torch.float32).reshape(1), group=group)
-    out = torch.cat([dequantize(all_codes[j * m:(j + 1) * m], all_scales[j].double(),
-                                torch.float64) for j in range(world)])
+    if ref:
+        out = torch.cat([dequantize_reference(all_codes[j * m:(j + 1) * m],
+                                              all_scales[j].double(), torch.float64)
+                         for j in range(world)])
+    else:
+        out = _dequantize_rows(all_codes.view(world, m), all_scales.double(),
+                               torch.float64).reshape(-1)
     return out[:x.numel()].reshape(x.shape).to(x.dtype)
 
 
 def compressed_all_reduce_reference(xs: list[torch.Tensor], *, average: bool = True,
                                     error_feedback: list[ErrorFeedback] | None = None,
                                     key: object = 0) -> torch.Tensor:
-    """Single-process reference of :func:`compressed_all_reduce`: ``xs[r]`` is rank r's
-    tensor (``error_feedback[r]`` its state); returns the result every rank gets."""
+    """Single-process reference of :func:`compressed_all_reduce`, with the serial
+    reference coders: ``xs[r]`` is rank r's tensor (``error_feedback[r]`` its state);
+    returns the result every rank gets."""
     world = len(xs)
     if world < 1:
         raise ValueError("xs must hold at least one tensor")
@@ -270,7 +190,7 @@ def compressed_all_reduce_reference(xs: list[torch.Tensor], *, average: bool = T
         flat = _padded(x, world)
         if error_feedback is not None:
             flat = flat + ErrorFeedback._get(error_feedback[r].local, key, flat)
-        c, s, back = _chunked_quantize(flat, world)
+        c, s, back = _chunked_quantize(flat, world, reference=True)
         if error_feedback is not None:
             error_feedback[r].local[key] = flat - back
         codes.append(c)
@@ -280,15 +200,15 @@ def compressed_all_reduce_reference(xs: list[torch.Tensor], *, average: bool = T
     for j in range(world):
         mine = torch.zeros(m, dtype=torch.float64)
         for i in range(world):
-            mine += dequantize(codes[i][j], scales[i][j].double(), torch.float64)
+            mine += dequantize_reference(codes[i][j], scales[i][j].double(), torch.float64)
         if average:
             mine /= world
         if error_feedback is not None:
             mine = mine + ErrorFeedback._get(error_feedback[j].owner, key, mine)
-        c, s = quantize(mine)
+        c, s = quantize_reference(mine)
         if error_feedback is not None:
-            error_feedback[j].owner[key] = mine - dequantize(c, s, torch.float64)
-        chunks.append(dequantize(c, s.to(torch.float32).double(), torch.float64))
+            error_feedback[j].owner[key] = mine - dequantize_reference(c, s, torch.float64)
+        chunks.append(dequantize_reference(c, s.to(torch.float32).double(), torch.float64))
     out = torch.cat(chunks)
     return out[:xs[0].numel()].reshape(xs[0].shape).to(xs[0].dtype)
 
@@ -323,18 +243,57 @@ def dettmers8_hook(state: Dettmers8HookState, bucket) -> torch.futures.Future:
 dettmers8_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
-def compressed_all_reduce_time(numel: int, world_size: int, model) -> float:
+def compressed_all_reduce_time(numel: int, world_size: int, model, *,
+                               quantize_s: float = 0.0, dequantize_s: float = 0.0,
+                               error_feedback: bool = False) -> float:
     """Modeled seconds of :func:`compressed_all_reduce` on ``numel`` elements: the four
     collectives it issues, each by ``parlearn.dist.collective_time`` (ring):
-    ``all_to_all_single`` and ``all_gather_single`` of ``N * ceil(numel / N)`` code bytes,
-    and the same two of ``4 N`` scale bytes. The quantization arithmetic is not modeled."""
+    ``all_to_all_single`` and ``all_gather_single`` of ``n = N * ceil(numel / N)`` code
+    bytes, and the same two of ``4 N`` scale bytes; plus its coding, ``n (1 + 1/N)
+    quantize_s + 2 n dequantize_s`` (it quantizes its n elements and its own chunk of
+    n/N, and dequantizes the N received chunks and the n gathered elements; with
+    ``error_feedback`` also its n elements and its chunk for the residuals, ``n (1 +
+    1/N)`` more), with ``quantize_s`` and ``dequantize_s`` seconds per element (measured
+    by :func:`coding_seconds`; 0 leaves the coding out)."""
     from parlearn.dist import collective_time
 
     numel = check_int("numel", numel, lo=1)
     world_size = check_int("world_size", world_size, lo=1)
+    quantize_s = check_float("quantize_s", quantize_s, lo=0)
+    dequantize_s = check_float("dequantize_s", dequantize_s, lo=0)
+    check_bool("error_feedback", error_feedback)
+    n = world_size * -(-numel // world_size)
+    own = n * (1 + 1 / world_size)
+    coding = own * quantize_s + (2 * n + (own if error_feedback else 0)) * dequantize_s
     if world_size == 1:
-        return 0.0
-    codes = world_size * -(-numel // world_size)
-    return sum(collective_time(kind, n, world_size, model)
-               for kind in ("all_to_all_single", "all_gather_single")
-               for n in (codes, 4 * world_size))
+        return coding
+    return coding + sum(collective_time(kind, b, world_size, model)
+                        for kind in ("all_to_all_single", "all_gather_single")
+                        for b in (n, 4 * world_size))
+
+
+def crossover_bandwidth(numel: int, world_size: int, alpha: float, *,
+                        quantize_s: float, dequantize_s: float) -> float:
+    """Modeled link bandwidth (bytes/s) below which :func:`compressed_all_reduce` beats a
+    float32 ring ``all_reduce`` of ``numel`` elements, with ``alpha`` seconds per message:
+    both times are ``a + b beta`` (:func:`compressed_all_reduce_time` with its coding, and
+    ``collective_time("all_reduce", 4 numel)``), equal at ``beta* = (a8 - a32) / (b32 -
+    b8)``; returns ``1 / beta*`` (``inf`` when 8-bit wins at any bandwidth)."""
+    from parlearn.dist import AlphaBeta, collective_time
+
+    numel = check_int("numel", numel, lo=1)
+    world_size = check_int("world_size", world_size, lo=2)
+    alpha = check_float("alpha", alpha, lo=0)
+
+    def line(time_of) -> tuple[float, float]:
+        a = time_of(AlphaBeta(alpha, 0.0))
+        return a, time_of(AlphaBeta(alpha, 1.0)) - a
+
+    a8, b8 = line(lambda m: compressed_all_reduce_time(
+        numel, world_size, m, quantize_s=quantize_s, dequantize_s=dequantize_s))
+    a32, b32 = line(lambda m: collective_time("all_reduce", 4 * numel, world_size, m))
+    if a8 <= a32:
+        return math.inf
+    return (b32 - b8) / (a8 - a32)
+
+

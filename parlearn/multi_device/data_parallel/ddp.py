@@ -206,22 +206,25 @@ class BucketedDP(_DataParallel):
 class CompressedDP(_DataParallel):
     """After backward, all gradients flattened into one vector and averaged by
     :func:`parlearn.compression.compressed_all_reduce` (8-bit dynamic-tree codes),
-    optionally with error feedback; the averages are written back into ``.grad``."""
+    optionally with error feedback; the averages are written back into ``.grad``.
+    ``reference_coding`` uses the serial reference coders (same result, slower)."""
 
     def __init__(self, module: nn.Module, *, error_feedback: bool = False, group=None,
-                 record: bool = True):
+                 record: bool = True, reference_coding: bool = False):
         from parlearn.multi_device.data_parallel.compression import ErrorFeedback
 
         check_bool("error_feedback", error_feedback)
+        check_bool("reference_coding", reference_coding)
         super().__init__(module, group=group, record=record)
         self.error_feedback = ErrorFeedback() if error_feedback else None
+        self.reference_coding = reference_coding
 
     def _finish(self) -> None:
         from parlearn.multi_device.data_parallel.compression import compressed_all_reduce
 
         flat = torch.cat([p.grad.reshape(-1) for p in self._params])
         out = compressed_all_reduce(flat, average=True, error_feedback=self.error_feedback,
-                                    group=self.group)
+                                    group=self.group, reference_coding=self.reference_coding)
         offset = 0
         for p in self._params:
             p.grad.copy_(out[offset:offset + p.numel()].view_as(p.grad))

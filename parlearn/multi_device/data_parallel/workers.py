@@ -29,7 +29,7 @@ __all__ = ["STEP_KINDS", "worker_step_time", "DIGITS_METHODS", "worker_digits",
            "summarize_steps", "step_spans", "CLUSTER_LINK", "bench"]
 
 
-STEP_KINDS = ("local", "naive", "bucketed", "compressed", "ddp")
+STEP_KINDS = ("local", "naive", "bucketed", "compressed", "compressed_reference", "ddp")
 
 
 def _wrap(kind: str, model: nn.Module, bucket_bytes: int):
@@ -41,6 +41,8 @@ def _wrap(kind: str, model: nn.Module, bucket_bytes: int):
         return BucketedDP(model, bucket_bytes=bucket_bytes)
     if kind == "compressed":
         return CompressedDP(model)
+    if kind == "compressed_reference":      # the same all-reduce, serial reference coders
+        return CompressedDP(model, reference_coding=True)
     return make_ddp(model, bucket_bytes=bucket_bytes)
 
 
@@ -166,19 +168,26 @@ CLUSTER_LINK = (5e-6, 1 / 25e9)
 def bench(device: torch.device, quick: bool) -> list:
     """Measured on 2 gloo CPU ranks: bucketed vs naive DP step time, and 8-bit
     compressed vs fp32 DP (time and ledger bytes), each beside the alpha-beta model's
-    figure from this machine's fitted alpha and beta. ``device`` is not used: gloo
+    figure from this machine's fitted alpha and beta; the 8-bit step with the serial
+    reference coders vs the table coders (same result); and the coders' throughput,
+    whose per-element seconds enter the modeled 8-bit step. ``device`` is not used: gloo
     ranks run on the CPU."""
     from parlearn.core.bench import Row
     from parlearn.dist import AlphaBeta, measure_alpha_beta, ring_bytes, run
-    from parlearn.multi_device.data_parallel.compression import compressed_all_reduce_time
+    from parlearn.multi_device.data_parallel.compression import (
+        coding_seconds,
+        compressed_all_reduce_time,
+        crossover_bandwidth,
+    )
 
     widths = [128, 256, 256, 10] if quick else [256, 1024, 1024, 1024, 10]
     steps = 5 if quick else 12
     ab = measure_alpha_beta(2, sizes=[2**k for k in range(8, 23, 2)], repeat=3 if quick else 5)
-    res = run(worker_step_time, 2, args=(("local", "naive", "bucketed", "compressed"), widths,
-                                         32, steps, 2**18), timeout=120)
+    kinds = ("local", "naive", "bucketed", "compressed", "compressed_reference")
+    res = run(worker_step_time, 2, args=(kinds, widths, 32, steps, 2**18), timeout=300)
     s = summarize_steps(res)
     sizes = mlp_param_bytes(widths)
+    numel = sum(sizes) // 4
     compute = s["local"]["median"]
     mod = {k: dp_step_model(sizes, 2, ab, compute_seconds=compute, strategy=k,
                             bucket_bytes=2**18).step for k in ("naive", "bucketed")}
@@ -188,9 +197,27 @@ def bench(device: torch.device, quick: bool) -> list:
                 for k in ("naive", "bucketed")}
     wire = {k: sum(ring_bytes(kind, b, 2) for kind, b in s[k]["bytes"].items())
             for k in ("bucketed", "compressed")}
-    mod8 = compute + compressed_all_reduce_time(sum(sizes) // 4, 2, ab)
+    # the coders on one process, same size as the gradient, interleaved with their references
+    coding = coding_seconds(numel, repeat=3 if quick else 7)
+    t = coding.timings
+    q, d = t["quantize"].median / numel, t["dequantize"].median / numel
+    mod8 = compute + compressed_all_reduce_time(numel, 2, ab, quantize_s=q, dequantize_s=d)
+    mod8_bytes_only = compute + compressed_all_reduce_time(numel, 2, ab)
     mod32 = dp_step_model(sizes, 2, ab, compute_seconds=compute, strategy="one_bucket").step
+    cross = crossover_bandwidth(numel, 2, ab.alpha, quantize_s=q, dequantize_s=d)
+    cross64 = crossover_bandwidth(350_000_000, 64, CLUSTER_LINK[0], quantize_s=q,
+                                  dequantize_s=d)
+
+    def gbs(name: str) -> str:
+        tm = t[name]
+        return f"{4 * numel / tm.median / 1e9:.2f} GB/s (spread {tm.spread:.0%})"
+
+    def ms(k: str) -> str:
+        return (f"{s[k]['median'] * 1e3:.1f} ms (IQR {s[k]['q1'] * 1e3:.1f}-"
+                f"{s[k]['q3'] * 1e3:.1f})")
+
     dev = "cpu, 2 gloo ranks"
+    lo, hi = coding.speedup_range("quantize")
     return [
         Row("data_parallel", "naive DP (all-reduce each grad after backward)",
             "bucketed DP (all-reduce launched from grad hooks)",
@@ -208,12 +235,34 @@ def bench(device: torch.device, quick: bool) -> list:
                     f"communication hidden).")),
         Row("data_parallel", "fp32 bucketed all-reduce DP", "8-bit dynamic-tree DP",
             s["bucketed"]["median"] / s["compressed"]["median"], dev,
-            target=f"modeled {mod32 / mod8:.2f}x", met=None,
-            detail=(f"ledger wire bytes per step per rank: fp32 {wire['bucketed']:.0f}, "
+            target=f"modeled {mod32 / mod8:.2f}x with coding", met=None,
+            detail=(f"measured step: fp32 {ms('bucketed')}, 8-bit {ms('compressed')}. "
+                    f"Modeled with the measured coding (quantize {q * 1e9:.1f} ns, "
+                    f"dequantize {d * 1e9:.1f} ns per element): {mod32 / mod8:.2f}x; "
+                    f"bytes alone would give {mod32 / mod8_bytes_only:.2f}x. Modeled "
+                    f"crossover: 8 bits pay below a link of {cross / 1e9:.3g} GB/s on 2 ranks "
+                    f"(this machine's fitted link: {ab.bandwidth / 1e9:.2f} GB/s), below "
+                    f"{cross64 / 1e9:.3g} GB/s for 350M params on 64 ranks at 5 us. "
+                    f"Ledger wire bytes per step per rank: fp32 {wire['bucketed']:.0f}, "
                     f"8-bit {wire['compressed']:.0f} "
                     f"({wire['compressed'] / wire['bucketed']:.3f} of fp32; modeled 0.25 + "
-                    f"scales). The 8-bit time includes quantizing in Python, which the "
-                    f"byte model leaves out.")),
+                    f"scales).")),
+        Row("data_parallel", "8-bit DP step, reference coders (binary search, per chunk)",
+            "8-bit DP step, table coders (one lookup, all chunks)",
+            s["compressed_reference"]["median"] / s["compressed"]["median"], dev,
+            detail=(f"measured side by side, steps interleaved: reference "
+                    f"{ms('compressed_reference')}, table {ms('compressed')}; same "
+                    f"result bit for bit (tests).")),
+        Row("data_parallel", "quantize_reference (torch.bucketize)",
+            "quantize (table lookup on float64 bits)", coding.speedup("quantize"),
+            f"cpu, {coding.threads} threads",
+            detail=(f"{numel} float32 values, {t['quantize'].repeats} interleaved repeats, "
+                    f"ratio IQR {lo:.2f}-{hi:.2f}: quantize {gbs('quantize')} vs reference "
+                    f"{gbs('quantize_reference')}; dequantize {gbs('dequantize')} vs "
+                    f"reference {gbs('dequantize_reference')} "
+                    f"({coding.speedup('dequantize', 'dequantize_reference'):.2f}x)"
+                    + ("" if coding.reliable else "; WARNING: spread too wide to read, "
+                       "another program is using the cores"))),
     ]
 
 

@@ -1,0 +1,131 @@
+"""The fast 8-bit coders equal their serial references exactly; the coding cost model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from parlearn import dist
+from parlearn.multi_device.data_parallel import compression as C
+from parlearn.multi_device.data_parallel import dynamic_tree as T
+
+
+def _same(y: torch.Tensor, scale: float = 1.0) -> None:
+    fast, s_fast = T.quantize(y, scale=scale)
+    ref, s_ref = T.quantize_reference(y, scale=scale)
+    assert torch.equal(s_fast, s_ref)
+    bad = (fast != ref).nonzero().flatten()[:5]
+    assert bad.numel() == 0, [(float(y.flatten()[i]), int(fast.flatten()[i]),
+                               int(ref.flatten()[i])) for i in bad]
+
+
+def test_quantize_equals_reference_at_every_midpoint_and_its_neighbours(any_device):
+    # The ties and the floats either side of each decision boundary: where a search by
+    # table row plus one comparison would first go wrong (ties go to the smaller value).
+    values, _ = T.sorted_codes()
+    mid = (values[1:] + values[:-1]) / 2
+    around = [mid]
+    for direction in (math.inf, -math.inf):
+        step = mid
+        for _ in range(3):
+            step = torch.nextafter(step, torch.full_like(step, direction))
+            around.append(step)
+    y = torch.cat(around + [values, torch.tensor([0.0, -0.0, 5e-324, -5e-324, 1e-300,
+                                                   -1e-300, 1 + 5e-13, -1 - 5e-13],
+                                                  dtype=torch.float64)])
+    _same(y.to(any_device))
+
+
+def test_quantize_equals_reference_on_every_exponent_row():
+    # Floats with every exponent that |y| <= 1 can have, random mantissas and signs:
+    # every row of the lookup table that can be hit.
+    gen = torch.Generator().manual_seed(1)
+    n = 200_000
+    exponent = torch.randint(0, 1023, (n,), generator=gen)
+    mantissa = torch.randint(0, 1 << 52, (n,), generator=gen)
+    sign = torch.randint(0, 2, (n,), generator=gen)
+    y = ((sign << 63) | (exponent << 52) | mantissa).view(torch.float64)
+    _same(y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16,
+                                   torch.bfloat16])
+def test_quantize_and_dequantize_equal_reference_for_every_dtype(dtype, any_device):
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(3, 4001, generator=gen, dtype=torch.float64)
+         * torch.logspace(-9, 2, 4001, dtype=torch.float64)).to(dtype).to(any_device)
+    for scale in (None, float(x.abs().max()) * 1.5):
+        (fast, s), (ref, s_ref) = T.quantize(x, scale=scale), T.quantize_reference(x, scale=scale)
+        assert torch.equal(fast, ref) and torch.equal(s, s_ref) and fast.shape == x.shape
+        for out in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+            assert torch.equal(T.dequantize(fast, s, out), T.dequantize_reference(ref, s, out))
+
+
+def test_empty_and_all_zero_tensors_code_like_the_reference():
+    for x in (torch.zeros(0), torch.zeros(7), torch.zeros(2, 0)):
+        (a, s), (b, t) = T.quantize(x), T.quantize_reference(x)
+        assert torch.equal(a, b) and torch.equal(s, t)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_chunked_coding_equals_the_reference_chunk_by_chunk(world):
+    gen = torch.Generator().manual_seed(world)
+    flat = torch.randn(world * 1001, generator=gen, dtype=torch.float64)
+    flat[:1001] *= 1e-4                           # chunks with different scales
+    if world > 2:
+        flat[1001:2002] = 0.0                     # an all-zero chunk: scale 1
+    fast = C._chunked_quantize(flat, world)
+    ref = C._chunked_quantize(flat, world, reference=True)
+    for a, b in zip(fast, ref, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_bad_input_is_refused_naming_the_argument():
+    with pytest.raises(ValueError, match="scale"):
+        T.quantize(torch.tensor([2.0]), scale=1.0)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for scale in (None, 1.0):
+            with pytest.raises(ValueError, match="x must not contain NaN"):
+                T.quantize(torch.tensor([0.5, bad]), scale=scale)
+    with pytest.raises(ValueError, match="scale"):
+        T.dequantize(torch.zeros(3, dtype=torch.uint8), torch.ones(2))
+    with pytest.raises(ValueError, match="quantize_s"):
+        C.compressed_all_reduce_time(10, 2, dist.AlphaBeta(0, 0), quantize_s=-1.0)
+    with pytest.raises(ValueError, match="world_size"):
+        C.crossover_bandwidth(10, 1, 1e-5, quantize_s=0.0, dequantize_s=0.0)
+
+
+def test_compressed_all_reduce_time_adds_the_coding_it_does():
+    # N=4, 10 elements padded to 12: quantize 12 + 3, dequantize 2 * 12 (+ 12 + 3 with
+    # error feedback's residuals)
+    free = dist.AlphaBeta(0.0, 0.0)
+    assert C.compressed_all_reduce_time(10, 4, free, quantize_s=1.0) == pytest.approx(15)
+    assert C.compressed_all_reduce_time(10, 4, free, dequantize_s=1.0) == pytest.approx(24)
+    assert C.compressed_all_reduce_time(10, 4, free, dequantize_s=1.0,
+                                        error_feedback=True) == pytest.approx(39)
+    ab = dist.AlphaBeta(1e-3, 1e-6)
+    plain = C.compressed_all_reduce_time(10, 4, ab)
+    assert C.compressed_all_reduce_time(10, 4, ab, quantize_s=2.0, dequantize_s=0.5) == \
+        pytest.approx(plain + 30 + 12)
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_crossover_bandwidth_is_where_the_two_models_meet(world):
+    numel, alpha, q, d = 3_000_000, 2e-5, 4e-9, 1e-9
+    bw = C.crossover_bandwidth(numel, world, alpha, quantize_s=q, dequantize_s=d)
+    assert 0 < bw < math.inf
+
+    def times(bandwidth: float) -> tuple[float, float]:
+        ab = dist.AlphaBeta(alpha, 1 / bandwidth)
+        return (C.compressed_all_reduce_time(numel, world, ab, quantize_s=q, dequantize_s=d),
+                dist.collective_time("all_reduce", 4 * numel, world, ab))
+
+    at, fp32 = times(bw)
+    assert at == pytest.approx(fp32, rel=1e-9)
+    slow8, slow32 = times(bw / 2)
+    fast8, fast32 = times(bw * 2)
+    assert slow8 < slow32 and fast8 > fast32      # 8-bit pays only below the crossover
+    # free messages and free coding: fewer bytes win at every bandwidth
+    assert C.crossover_bandwidth(numel, world, 0.0, quantize_s=0.0, dequantize_s=0.0) == math.inf
