@@ -1,0 +1,174 @@
+"""Tests of parlearn.repurpose: the permutation keeps the function, the K-rank split equals
+the pruned net in one process, off-block mass falls on a planted structure, the refit never
+fits worse than plain pruning, and bytes counted by the ledger equal the byte model."""
+
+import pytest
+import torch
+from torch import nn
+
+from parlearn.core.device import threads
+from parlearn.serial_chain import repurpose as rp
+
+
+def _net(widths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    layers = []
+    for a, b in zip(widths[:-1], widths[1:], strict=True):
+        lin = nn.Linear(a, b, dtype=torch.float64)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(b, a, generator=g, dtype=torch.float64) / a ** 0.5)
+            lin.bias.copy_(torch.randn(b, generator=g, dtype=torch.float64) * 0.1)
+        layers += [lin, nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def _x(n=64, d=6, seed=1):
+    return torch.randn(n, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _planted(k=4, width=16, depth=3, noise=0.02, seed=0):
+    """Hidden-to-hidden weights block-diagonal (k blocks) plus small noise, then every hidden
+    layer shuffled by a random permutation: the blocks are there, but hidden."""
+    net = _net([6] + [width] * depth + [5], seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    lins = rp.linears(net)
+    blocks = torch.arange(width) // (width // k)
+    with torch.no_grad():
+        for lin in lins[1:-1]:
+            lin.weight.mul_(torch.where(blocks[:, None] == blocks[None, :], 1.0, noise))
+    perms = [torch.randperm(width, generator=g) for _ in range(depth)]
+    return rp.permute(net, perms)
+
+
+def test_permutation_keeps_the_function():
+    net = _net([6, 12, 12, 12, 5])
+    g = torch.Generator().manual_seed(3)
+    perms = [torch.randperm(12, generator=g) for _ in range(3)]
+    moved = rp.permute(net, perms)
+    x = _x()
+    assert (moved(x) - net(x)).abs().max().item() < 1e-13
+    # the permutation really moved the weights (a no-op would pass the line above)
+    assert (rp.linears(moved)[1].weight - rp.linears(net)[1].weight).abs().max() > 0.1
+
+
+def test_restructure_keeps_the_function_and_lowers_the_mass():
+    net = _planted()
+    x = _x(128)
+    moved, hist = rp.restructure(net, 4, x, sweeps=4)
+    assert (moved(x) - net(x)).abs().max().item() < 1e-13
+    # coordinate descent: the off-block share never rises
+    assert all(b <= a + 1e-12 for a, b in zip(hist, hist[1:], strict=False)), hist
+    # the planted blocks are found: the cross mass falls from most of it to the noise's share
+    energy = rp.calibration_energy(moved, x)
+    assert rp.off_block_mass(net, 4, energy) > 0.5
+    assert rp.off_block_mass(moved, 4, energy) < 0.02
+    assert hist[-1] == pytest.approx(rp.off_block_mass(moved, 4, energy), rel=1e-9)
+
+
+def test_split_on_ranks_equals_the_pruned_net():
+    net = _net([6, 8, 8, 8, 5], seed=2)
+    x = _x(40)
+    moved = rp.restructure(net, 2, x)[0]
+    pruned = rp.prune_and_refit(moved, 2, x, 0.5)
+    got = rp.split_inference(pruned, 2, x[:7])
+    assert got["rank_spread"] == 0.0
+    assert (got["logits"] - pruned(x[:7])).abs().max().item() < 1e-12
+    # the ledger's bytes are exactly the messages the weights need
+    assert got["bytes"] == pytest.approx(sum(rp.comm_bytes(pruned, 2, batch=7).values()))
+    # and the pruned net differs from the unpruned one (the comparison is not vacuous)
+    assert (pruned(x[:7]) - moved(x[:7])).abs().max().item() > 1e-6
+
+
+def test_split_on_four_ranks_unpruned_is_the_net():
+    net = _net([6, 8, 8, 8, 5], seed=4)
+    x = _x(9)
+    got = rp.split_inference(net, 4, x)
+    assert (got["logits"] - net(x)).abs().max().item() < 1e-12
+    # nothing pruned, dense weights: every rank needs every other rank's activations
+    # 2 exchanges x 8 neurons x 3 other ranks, then the ring all-reduce of 5 logits; x 9 rows x 8 B
+    assert got["bytes"] == pytest.approx(2 * 8 * 3 * 9 * 8 + 2 * 3 * 5 * 9 * 8)
+
+
+def test_megatron_baseline_equals_the_net_and_its_byte_model():
+    for widths in ([6, 8, 8, 8, 5], [6, 8, 8, 5]):
+        net = _net(widths, seed=5)
+        x = _x(7)
+        got = rp.megatron_inference(net, 2, x)
+        assert (got["logits"] - net(x)).abs().max().item() < 1e-12
+        assert got["bytes"] == pytest.approx(rp.megatron_bytes(net, 2, batch=7))
+
+
+def test_pruning_cuts_messages_and_refit_fits_no_worse():
+    net = _net([6, 12, 12, 12, 5], seed=6)
+    x = _x(200)
+    moved = rp.restructure(net, 3, x)[0]
+    full = sum(int(m.sum()) for m in rp.message_mask(moved, 3))
+    assert full == 2 * 12 * 2  # dense: each of 2 exchanges sends 12 neurons to 2 others
+    for p in (0.25, 0.5, 1.0):
+        cut = rp.prune_and_refit(moved, 3, x, p, refit=False)
+        fit = rp.prune_and_refit(moved, 3, x, p, refit=True)
+        assert sum(int(m.sum()) for m in rp.message_mask(fit, 3)) == round(full * (1 - p))
+        # layer-wise least squares: on the calibration data the refit output is closer
+        e_cut = (cut(x) - moved(x)).pow(2).mean().item()
+        e_fit = (fit(x) - moved(x)).pow(2).mean().item()
+        assert e_fit < e_cut
+    # prune=1: block-diagonal hidden-to-hidden weights, only the logits all-reduce is left
+    bd = rp.prune_and_refit(moved, 3, x, 1.0)
+    assert rp.comm_bytes(bd, 3)["exchange"] == 0
+    same = rp.prune_and_refit(moved, 3, x, 0.0)
+    pairs = zip(same.parameters(), moved.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+
+
+def test_pruning_keeps_the_heavy_messages():
+    net = _planted(k=2, width=8, noise=0.05)
+    x = _x(100)
+    moved = rp.restructure(net, 2, x)[0]
+    energy = rp.calibration_energy(moved, x)
+    cut = rp.prune_and_refit(moved, 2, x, 0.5, refit=False)
+    w, wc = rp.linears(moved)[1].weight, rp.linears(cut)[1].weight
+    blocks = torch.arange(8) // 4
+    cross = blocks[:, None] != blocks[None, :]
+    mass = ((w ** 2) * energy[1][None, :] * cross).T.reshape(8, 2, 4).sum(2)  # [i, b]
+    kept = (wc != 0).T.reshape(8, 2, 4).any(2) & cross.T.reshape(8, 2, 4).any(2)
+    dropped = ~kept & cross.T.reshape(8, 2, 4).any(2)
+    assert mass[kept].min() >= mass[dropped].max()
+
+
+def test_digits_mlp_learns_and_leaves_global_state():
+    state = torch.get_rng_state()
+    with threads(1):  # tiny matmuls: one thread is faster on a shared machine
+        net, data = rp.digits_mlp(hidden=16, depth=2, steps=60, n_train=400)
+    assert torch.equal(state, torch.get_rng_state())
+    assert rp.accuracy(net, data.x_test, data.y_test) > 0.8
+    assert all(p.grad is None for p in net.parameters())
+    a, _ = rp.digits_mlp(hidden=16, depth=2, steps=5, n_train=50, seed=3)
+    b, _ = rp.digits_mlp(hidden=16, depth=2, steps=5, n_train=50, seed=3)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_tradeoff_runs_and_is_monotone_in_bytes():
+    with threads(1):
+        net, data = rp.digits_mlp(hidden=16, depth=2, steps=60, n_train=400)
+        out = rp.tradeoff(net, data, 4, [0.0, 0.5, 1.0])
+    assert out["bytes"] == sorted(out["bytes"], reverse=True)
+    assert out["accuracy"][0] == pytest.approx(out["dense"])
+
+
+def test_bad_input_fails_fast():
+    net = _net([6, 8, 8, 5])
+    x = _x()
+    with pytest.raises(ValueError, match="k=3 must divide"):
+        rp.comm_bytes(net, 3)
+    with pytest.raises(ValueError, match="prune"):
+        rp.prune_and_refit(net, 2, x, 1.5)
+    with pytest.raises(TypeError, match="refit"):
+        rp.prune_and_refit(net, 2, x, 0.5, refit=1)
+    with pytest.raises(TypeError, match="net must be"):
+        rp.linears(nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match="perms must hold"):
+        rp.permute(net, [torch.arange(8)])
+    with pytest.raises(ValueError, match=r"perms\[0\] must be a permutation"):
+        rp.permute(net, [torch.zeros(8, dtype=torch.long), torch.arange(8)])
+    with pytest.raises(ValueError, match="x must have 2"):
+        rp.split_inference(net, 2, torch.zeros(3, dtype=torch.float64))
