@@ -17,8 +17,9 @@ read; what is below is our own derivation, and the regulariser of the parallel a
   ``(L/2) |W|_*^(2/L)`` (:func:`standard_dual`; reconstruction of the paper's closed forms).
 * **Parallel** (``f = sum_k W_{1,k} ... W_{L,k}``, ``K`` branches summed *inside the network*;
   "parallel" is the architecture, not devices): with the regulariser ``(1/L) sum_{k,l}
-  |W_{l,k}|_F^L`` the training value is at least the convex value for every ``K``, and equals it
-  once ``K >= rank(svt(M, lam))`` (:func:`rank_one_branches` builds the optimum). The ``K``
+  |W_{l,k}|_F^L`` the training value is at least the convex value for every ``K``, equals it
+  once ``K >= rank(svt(M, lam))`` (:func:`rank_one_branches` builds the optimum), and stays
+  strictly above it for fewer branches when ``L >= 3`` (proofs in lesson 26). The ``K``
   branches run in one batched call (:func:`end_to_end`), checked against a loop over branches
   (:func:`end_to_end_loop`).
 
@@ -43,7 +44,8 @@ __all__ = ["REGULARISERS", "make_target", "singular_values", "numerical_rank", "
 # "weight_decay": 1/2 sum_{k,l} |W_{l,k}|_F^2, the usual weight decay.
 # "parallel": (1/L) sum_{k,l} |W_{l,k}|_F^L, our reconstruction of the paper's modified
 # regulariser (its abstract says only "modifying the regularization"). By AM-GM its minimum over
-# rescalings of one branch is prod_l |W_{l,k}|_F, the quantity whose convex hull is |.|_*.
+# rescalings of one branch is prod_l |W_{l,k}|_F; products of unit-norm layers have the
+# nuclear-norm ball as their convex hull, which is why the nuclear norm appears.
 # For L = 2 the two are the same function.
 REGULARISERS = ("weight_decay", "parallel")
 
