@@ -53,6 +53,7 @@ SHORT_NAMES: dict[str, str] = {
     "multigrid": "serial_chain.multigrid",
     "local": "serial_chain.local",
     "repurpose": "serial_chain.repurpose",
+    "duality": "serial_chain.duality",
     # Part 3: many copies at once
     "dither": "many_copies.dither",
     "qd": "many_copies.qd",
