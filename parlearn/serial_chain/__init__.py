@@ -3,7 +3,7 @@
 - ``leapfrog``: leapfrogging backprop, the delta/G split (lesson 20);
 - ``multigrid``: layer-parallel ResNets by MGRIT (lesson 21);
 - ``local``: local learning signals and the asynchronous block pipeline (lesson 22);
-- ``repurpose``: a trained network split into parallel sub-models, RePurpose (lesson 24).
+- ``repurpose``: a trained network split into parallel sub-models, RePurpose (lesson 24);
 - ``duality``: parallel branches, weight decay and the nuclear norm: when training is a convex
   problem (lesson 26).
 """
