@@ -63,6 +63,10 @@ def test_one_coordinate_update_is_the_exact_coordinate_minimiser(problem):
             assert st.objective(x, y, other, ALPHA) > f_best
 
 
+def test_relative_gap():
+    assert st.relative_gap(1.5, 1.0) == 0.5 and st.relative_gap(-0.5, -1.0) == 0.5
+
+
 def test_soft_threshold():
     z = torch.tensor([-3.0, -0.5, 0.0, 0.2, 2.0], dtype=torch.float64)
     assert st.soft_threshold(z, 1.0).tolist() == [-2.0, 0.0, 0.0, 0.0, 1.0]
@@ -76,6 +80,7 @@ def test_strads_reaches_sklearns_optimum_where_shotgun_diverges(problem):
         run = st.solve(x, y, ALPHA, workers=8, rounds=2500, schedule="strads", rho=0.5, seed=1)
         shot = st.solve(x, y, ALPHA, workers=8, rounds=2500, schedule="shotgun", seed=1)
     assert not run.diverged
+    assert st.relative_gap(run.objective[0], f_star) > 0.1      # it had a long way to go
     assert abs(st.relative_gap(run.objective[-1], f_star)) < 1e-6
     assert (run.w - w_star).abs().max().item() < 1e-3
     assert shot.diverged and len(shot.objective) < 2500
