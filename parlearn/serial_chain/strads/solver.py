@@ -278,8 +278,9 @@ def solve(x: torch.Tensor, y: torch.Tensor, alpha: float, *, workers: int = 1,
     ``w_j, j in S`` by :func:`round_update` from the same residual, then subtracts
     ``X_S delta_S`` from the residual. ``replay`` (a list of coordinate lists, e.g. a
     previous run's ``schedule``) replaces the schedule round by round. STRADS keeps
-    ``candidates`` (default ``4 workers``) draws before the filter at ``rho``. Stops early
-    when the objective has diverged. Returns a :class:`LassoRun`."""
+    ``candidates`` (default ``4 workers``) draws before the filter at ``rho``. ``w0``
+    (default zeros) is the starting point. Stops early when the objective has diverged.
+    Returns a :class:`LassoRun`."""
     x, y, alpha = check_problem(x, y, alpha)
     workers, rounds, rho, floor, candidates = _check_common(workers, rounds, schedule, rho,
                                                             floor, candidates)
