@@ -218,3 +218,12 @@ def test_global_state_untouched(problem):
     st.solve(x, y, ALPHA, workers=4, rounds=10, schedule="strads")
     st.solve(x, y, ALPHA, workers=4, rounds=10, schedule="shotgun")
     assert torch.equal(torch.get_rng_state(), before) and torch.get_num_threads() == n_threads
+
+
+def test_warm_start_at_the_optimum_stays_there(problem):
+    x, y, w_star, f_star = problem
+    before = w_star.clone()
+    run = st.solve(x, y, ALPHA, workers=4, rounds=50, schedule="strads", w0=w_star)
+    assert abs(st.relative_gap(run.objective[0], f_star)) < 1e-12
+    assert abs(st.relative_gap(run.objective[-1], f_star)) < 1e-9
+    assert torch.equal(w_star, before) and run.w is not w_star      # w0 itself is not modified

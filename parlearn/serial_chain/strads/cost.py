@@ -155,7 +155,8 @@ def bench(device: torch.device, quick: bool) -> list:
                ups["strads"] / ups["sklearn (serial)"], where,
                detail=f"n={n}, d=40; updates/s: sklearn {ups['sklearn (serial)']:.3g} (500-"
                       f"epoch fit), ours serial {ups['cyclic (serial, ours)']:.3g}, shotgun "
-                      f"{ups['shotgun']:.3g} (until it diverged), strads {ups['strads']:.3g} "
+                      f"{ups['shotgun']:.3g} (until it diverged, where it did), strads "
+                      f"{ups['strads']:.3g} "
                       f"(medians of {repeat} runs, each its own launch; not interleaved; "
                       f"measured under whatever load the machine has)")
     reached = math.isfinite(t_done["strads"])
