@@ -54,6 +54,7 @@ SHORT_NAMES: dict[str, str] = {
     "local": "serial_chain.local",
     "repurpose": "serial_chain.repurpose",
     "duality": "serial_chain.duality",
+    "strads": "serial_chain.strads",
     # Part 3: many copies at once
     "dither": "many_copies.dither",
     "qd": "many_copies.qd",

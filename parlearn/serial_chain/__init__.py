@@ -6,4 +6,5 @@
 - ``repurpose``: a trained network split into parallel sub-models, RePurpose (lesson 24);
 - ``duality``: parallel branches, weight decay and the nuclear norm: when training is a convex
   problem (lesson 26).
+- ``strads``: scheduled model-parallel coordinate descent for the Lasso (lesson 25).
 """
