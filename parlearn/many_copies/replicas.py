@@ -40,6 +40,7 @@ from parlearn.core.checks import (
     check_module,
     check_tensor,
 )
+from parlearn.core.device import threads as _threads
 from parlearn.core.models import mlp
 from parlearn.core.timing import compare, sweep
 
@@ -345,7 +346,7 @@ BOOTSTRAPS = ("none", "resample", "convolutional")
 def instant_learning(data, replicas_list: Sequence[int] = (1, 8, 64), *, epochs: int = 1,
                      hidden: int = 32, lr: float = 0.3, batch_size: int = 16,
                      bootstrap: str = "convolutional", shared_init: bool = False,
-                     looped: bool = False, seed: int = 0,
+                     looped: bool = False, seed: int = 0, threads: int | None = 1,
                      progress: Callable[[float, str], None] | None = None) -> dict:
     """Train R replicas for ``epochs`` (batched) on ``data`` (a :class:`parlearn.datasets.Split`
     of digits) for each R in ``replicas_list``, timing each run on this device.
@@ -354,7 +355,9 @@ def instant_learning(data, replicas_list: Sequence[int] = (1, 8, 64), *, epochs:
     :func:`convolutional_bootstrap`: ``"convolutional"`` (resample and shift, our
     reconstruction), ``"resample"`` (resample only) or ``"none"`` (all share the data).
     ``looped`` trains with :func:`train_looped` (a loop over R models, the best serial
-    code for R = 1) instead of :func:`train_batched`; the results are equal. Returns
+    code for R = 1) instead of :func:`train_batched`; the results are equal. ``threads``
+    pins torch's intra-op thread count for the call and restores it (one thread is fastest
+    for these tiny models on a shared machine); ``None`` keeps the caller's. Returns
     ``{"R": [...], "wall_s": [...], "runs": [evaluation per R], "device", "threads"}``; each
     evaluation has per-replica, mean-replica, ensemble and weight-averaged test accuracy,
     both cross-entropies and ``first_k`` (accuracy of the ensemble of the first k replicas).
@@ -364,6 +367,12 @@ def instant_learning(data, replicas_list: Sequence[int] = (1, 8, 64), *, epochs:
         raise ValueError("replicas_list must name at least one replica count")
     check_choice("bootstrap", bootstrap, BOOTSTRAPS)
     check_bool("looped", looped)
+    if threads is not None:
+        with _threads(check_int("threads", threads, lo=1)):
+            return instant_learning(data, rs, epochs=epochs, hidden=hidden, lr=lr,
+                                    batch_size=batch_size, bootstrap=bootstrap,
+                                    shared_init=shared_init, looped=looped, seed=seed,
+                                    threads=None, progress=progress)
     x_tr, y_tr = data.x_train, data.y_train
     out: dict = {"R": [], "wall_s": [], "runs": [], "device": str(x_tr.device),
                  "threads": torch.get_num_threads()}
