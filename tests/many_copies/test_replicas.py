@@ -87,7 +87,11 @@ def test_ensemble_nll_never_above_mean_replica_nll(seed):
     y = torch.randint(10, (40,), generator=g)
     ens, mean = rp.ensemble_nll(logits, y), rp.mean_replica_nll(logits, y)
     assert ens <= mean + 1e-12
-    # and the mean replica's value is what it says: the average of per-replica CEs
+    # each value is what it says: -log of the averaged probabilities (not of averaged
+    # logits), and the average of the per-replica cross-entropies
+    by_hand = -torch.log(torch.stack([lg.softmax(-1) for lg in logits]).mean(0)[
+        torch.arange(40), y]).mean().item()
+    assert ens == pytest.approx(by_hand, rel=1e-12)
     each = [torch.nn.functional.cross_entropy(lg, y).item() for lg in logits]
     assert mean == pytest.approx(sum(each) / len(each), rel=1e-12)
 
