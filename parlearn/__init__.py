@@ -62,6 +62,7 @@ SHORT_NAMES: dict[str, str] = {
     "eigengame": "many_copies.eigengame",
     "diffusion": "many_copies.diffusion",
     "decoding": "many_copies.decoding",
+    "replicas": "many_copies.replicas",
 }
 
 

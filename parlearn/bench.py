@@ -62,6 +62,8 @@ BENCHES: dict[str, tuple[str, str]] = {
                   "EigenGame samples/s: batched vs batch-1; 8 fake devices vs 1 (JAX)"),
     "decoding": ("parlearn.many_copies.decoding.measure",
                  "forward passes per sequence at >= 99% validity, and the decoder's own time"),
+    "replicas": ("parlearn.many_copies.replicas",
+                 "R replicas' SGD steps: one vmap program vs a Python loop of R models"),
 }
 
 
