@@ -52,6 +52,7 @@ SHORT_NAMES: dict[str, str] = {
     "leapfrog": "serial_chain.leapfrog",
     "multigrid": "serial_chain.multigrid",
     "local": "serial_chain.local",
+    "neq": "serial_chain.neq",
     # Part 3: many copies at once
     "dither": "many_copies.dither",
     "qd": "many_copies.qd",

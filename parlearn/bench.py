@@ -49,6 +49,8 @@ BENCHES: dict[str, tuple[str, str]] = {
                   "layer-parallel forward/backward (MGRIT) vs the best serial ResNet"),
     "local": ("parlearn.serial_chain.local.cost",
               "asynchronous local-heads pipeline vs pipelined backprop on the same 2 ranks"),
+    "neq": ("parlearn.serial_chain.neq",
+            "NEq backward skipping 75% frozen rows vs full autograd; counted FLOPs as model"),
     # Part 3: many copies at once
     "dither": ("parlearn.many_copies.dither.regimes",
                "P=64 noisy copies: one batched forward/backward vs a loop over copies"),

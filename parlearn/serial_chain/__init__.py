@@ -2,5 +2,6 @@
 
 - ``leapfrog``: leapfrogging backprop, the delta/G split (lesson 20);
 - ``multigrid``: layer-parallel ResNets by MGRIT (lesson 21);
-- ``local``: local learning signals and the asynchronous block pipeline (lesson 22).
+- ``local``: local learning signals and the asynchronous block pipeline (lesson 22);
+- ``neq``: NEq, train only the neurons not at equilibrium (lesson 23).
 """
