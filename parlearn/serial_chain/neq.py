@@ -45,7 +45,7 @@ from parlearn.core.checks import (
 
 __all__ = ["linear_layers", "phi", "velocity_step", "Equilibrium", "masked_backward",
            "reference_backward", "backward_flops", "count_backward_flops", "allreduce_bytes",
-           "NEqRun", "train", "accuracy", "bench"]
+           "NEqRun", "train", "accuracy", "measure_backward", "bench"]
 
 
 def linear_layers(model: nn.Module) -> list[nn.Linear]:
@@ -397,28 +397,30 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 # ---------------------------------------------------------------------------------------
 # Bench: the backward that really skips frozen rows vs plain autograd's backward.
 
-def bench(device: torch.device, quick: bool) -> list:
-    """Rows for ``python -m parlearn.bench neq``: on an MLP 1024-1024-1024-1024-10 (float32,
-    minibatch 128, one intra-op thread) with 75% of every hidden layer's neurons frozen
-    (rows drawn from a seeded generator), the backward of :func:`masked_backward` against
-    plain autograd's full backward, each timed alone on a retained graph, interleaved.
-    The target is the modeled ratio: the FLOPs :func:`backward_flops` gives (equal to what
-    ``torch.utils.flop_counter`` counts, which the tests check)."""
-    from parlearn.core.bench import Row
+def measure_backward(widths: Sequence[int], batch: int, frozen: float, *, repeat: int = 7,
+                     seed: int = 0, device: str | torch.device = "cpu"):
+    """Time :func:`masked_backward`'s backward against plain autograd's full backward on
+    :func:`parlearn.models.mlp` ``(widths)`` (float32, a random minibatch of ``batch``),
+    with the fraction ``frozen`` of every hidden layer's rows frozen (drawn from ``seed``;
+    the output layer learns). Each backward runs alone on a retained graph, the two
+    interleaved, one intra-op thread (:func:`parlearn.timing.compare`). Returns
+    ``(comparison, modeled)``: the :class:`~parlearn.timing.Comparison` (``"full"``,
+    ``"masked"``) and the modeled ratio of :func:`backward_flops`."""
     from parlearn.core.models import mlp
     from parlearn.core.timing import compare
 
-    width, b, frac = (512 if quick else 1024), 128, 0.75
-    widths = [width] * 4 + [10]
-    net = mlp(widths, seed=0).to(device)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(b, width, generator=gen).to(device)
-    y = torch.randint(0, 10, (b,), generator=gen).to(device)
+    widths = [check_int("widths[i]", w, lo=1) for w in widths]
+    batch = check_int("batch", batch, lo=1)
+    frozen = check_float("frozen", frozen, lo=0, hi=1)
+    net = mlp(widths, seed=seed).to(device)
+    gen = torch.Generator().manual_seed(check_int("seed", seed, lo=0))
+    x = torch.randn(batch, widths[0], generator=gen).to(device)
+    y = torch.randint(0, widths[-1], (batch,), generator=gen).to(device)
     active = []
-    for m in linear_layers(net):
+    for i, m in enumerate(linear_layers(net)):
         a = torch.ones(m.out_features, dtype=torch.bool)
-        if m.out_features == width:
-            a[torch.randperm(width, generator=gen)[:int(frac * width)]] = False
+        if i < len(widths) - 2:
+            a[torch.randperm(m.out_features, generator=gen)[:round(frozen * m.out_features)]] = 0
         active.append(a.to(device))
     full_loss = F.cross_entropy(net(x), y)
     params = list(net.parameters())
@@ -426,10 +428,25 @@ def bench(device: torch.device, quick: bool) -> list:
     masked_loss = F.cross_entropy(out, y)
     flat = [p for ls in leaves for p in ls]
     cmp = compare({"full": lambda: torch.autograd.grad(full_loss, params, retain_graph=True),
-                   "masked": lambda: torch.autograd.grad(masked_loss, flat, retain_graph=True)},
-                  warmup=2, repeat=5 if quick else 15, device=device, threads=1)
+                   "masked": lambda: torch.autograd.grad(masked_loss, flat, retain_graph=True)
+                   if flat else None}, warmup=2, repeat=check_int("repeat", repeat, lo=1),
+                  device=device, threads=1)
     counts = [int(a.sum()) for a in active]
-    model = backward_flops(widths, b, widths[1:]) / backward_flops(widths, b, counts)
+    return cmp, backward_flops(widths, batch, widths[1:]) / backward_flops(widths, batch, counts)
+
+
+def bench(device: torch.device, quick: bool) -> list:
+    """Rows for ``python -m parlearn.bench neq``: :func:`measure_backward` on an MLP
+    1024-1024-1024-1024-10 (512 wide with ``quick``), float32, minibatch 128, one intra-op
+    thread, 75% of every hidden layer's rows frozen: the backward that really skips them
+    against plain autograd's full backward. The target is the modeled ratio of the FLOPs
+    :func:`backward_flops` gives (equal to what ``torch.utils.flop_counter`` counts, which
+    the tests check)."""
+    from parlearn.core.bench import Row
+
+    width, b, frac = (512 if quick else 1024), 128, 0.75
+    widths = [width] * 4 + [10]
+    cmp, model = measure_backward(widths, b, frac, repeat=5 if quick else 15, device=device)
     lo, hi = cmp.speedup_range("masked")
     t = cmp.timings
     return [Row("neq", "full autograd backward", f"NEq backward, {frac:.0%} of hidden rows "
