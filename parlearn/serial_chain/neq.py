@@ -334,7 +334,7 @@ def train(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, x_val: torch.T
     after every epoch the equilibrium test on the validation inputs ``x_val``. Epoch 1
     trains every neuron. ``skip`` picks :func:`masked_backward` (True) or
     :func:`reference_backward`. ``eps = 0`` freezes nothing: plain training."""
-    layers = linear_layers(model)
+    linear_layers(model)  # checks the model before any work
     x = check_tensor("x", x, ndim=2, floating=True)
     y = check_tensor("y", y, shape=(x.shape[0],), floating=False)
     x_val = check_tensor("x_val", x_val, shape=(None, x.shape[1]), floating=True)

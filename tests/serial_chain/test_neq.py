@@ -173,6 +173,16 @@ def test_allreduce_bytes_model():
     assert got["wire"] == pytest.approx(2 * 3 / 4 * got["payload"])
 
 
+def test_measure_backward_reports_the_flop_model_and_runs_both():
+    widths = [16, 12, 12, 4]
+    cmp, model = neq.measure_backward(widths, 8, 0.5, repeat=1)
+    assert set(cmp.timings) == {"full", "masked"}
+    assert model == neq.backward_flops(widths, 8, widths[1:]) / neq.backward_flops(
+        widths, 8, [6, 6, 4])
+    with pytest.raises(ValueError, match="frozen"):
+        neq.measure_backward(widths, 8, 1.5)
+
+
 # --- bad input ---------------------------------------------------------------------------
 
 def test_bad_input_fails_fast():
