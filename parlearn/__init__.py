@@ -55,6 +55,7 @@ SHORT_NAMES: dict[str, str] = {
     "repurpose": "serial_chain.repurpose",
     "duality": "serial_chain.duality",
     "strads": "serial_chain.strads",
+    "neq": "serial_chain.neq",
     # Part 3: many copies at once
     "dither": "many_copies.dither",
     "qd": "many_copies.qd",

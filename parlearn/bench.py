@@ -51,6 +51,8 @@ BENCHES: dict[str, tuple[str, str]] = {
               "asynchronous local-heads pipeline vs pipelined backprop on the same 2 ranks"),
     "strads": ("parlearn.serial_chain.strads.cost",
                "Lasso CD: STRADS (P=8, 2 gloo ranks) vs sklearn: updates/s, time to gap 1e-6"),
+    "neq": ("parlearn.serial_chain.neq",
+            "NEq backward skipping 75% frozen rows vs full autograd; counted FLOPs as model"),
     # Part 3: many copies at once
     "dither": ("parlearn.many_copies.dither.regimes",
                "P=64 noisy copies: one batched forward/backward vs a loop over copies"),

@@ -7,4 +7,5 @@
 - ``duality``: parallel branches, weight decay and the nuclear norm: when training is a convex
   problem (lesson 26).
 - ``strads``: scheduled model-parallel coordinate descent for the Lasso (lesson 25).
+- ``neq``: NEq, train only the neurons not at equilibrium (lesson 23).
 """
