@@ -52,10 +52,10 @@ SHORT_NAMES: dict[str, str] = {
     "leapfrog": "serial_chain.leapfrog",
     "multigrid": "serial_chain.multigrid",
     "local": "serial_chain.local",
-    "repurpose": "serial_chain.repurpose",
-    "duality": "serial_chain.duality",
-    "strads": "serial_chain.strads",
     "neq": "serial_chain.neq",
+    "repurpose": "serial_chain.repurpose",
+    "strads": "serial_chain.strads",
+    "duality": "serial_chain.duality",
     # Part 3: many copies at once
     "dither": "many_copies.dither",
     "qd": "many_copies.qd",

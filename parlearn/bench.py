@@ -42,17 +42,17 @@ BENCHES: dict[str, tuple[str, str]] = {
                         "Megatron block and planned tilings: counted vs modeled comm bytes"),
     "batching": ("parlearn.multi_device.batching.tradeoff",
                  "examples and steps to a target loss: SimiGrad vs fixed batches (counted)"),
-    # Part 2: breaking backprop's serial chain
+    # Part 2: beyond backprop's serial chain
     "leapfrog": ("parlearn.serial_chain.leapfrog.cost",
                  "backward schedules on a deep narrow MLP: leapfrog/segments vs serial"),
     "multigrid": ("parlearn.serial_chain.multigrid.cost",
                   "layer-parallel forward/backward (MGRIT) vs the best serial ResNet"),
     "local": ("parlearn.serial_chain.local.cost",
               "asynchronous local-heads pipeline vs pipelined backprop on the same 2 ranks"),
-    "strads": ("parlearn.serial_chain.strads.cost",
-               "Lasso CD: STRADS (P=8, 2 gloo ranks) vs sklearn: updates/s, time to gap 1e-6"),
     "neq": ("parlearn.serial_chain.neq",
             "NEq backward skipping 75% frozen rows vs full autograd; counted FLOPs as model"),
+    "strads": ("parlearn.serial_chain.strads.cost",
+               "Lasso CD: STRADS (P=8, 2 gloo ranks) vs sklearn: updates/s, time to gap 1e-6"),
     # Part 3: many copies at once
     "dither": ("parlearn.many_copies.dither.regimes",
                "P=64 noisy copies: one batched forward/backward vs a loop over copies"),
