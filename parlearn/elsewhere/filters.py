@@ -32,7 +32,7 @@ __all__ = ["World", "make_world", "expected_scans", "observe", "log_likelihood",
            "transition_matrix", "motion_step", "grid_filter", "measurement_update",
            "resample", "particle_filter", "posterior_histogram", "DMUNet", "train_dmu",
            "net_log_likelihood", "net_log_likelihood_looped", "simulate", "tracking_error",
-           "bench", "MOVES"]
+           "throughput", "bench", "MOVES"]
 
 # The commanded moves, in cells: stay, east, north, west, south.
 MOVES = torch.tensor([[0, 0], [1, 0], [0, 1], [-1, 0], [0, -1]])
@@ -334,6 +334,29 @@ def tracking_error(world: World, particles: int, *, likelihood=None, steps: int 
         true = world.free[sim["cells"]].to(torch.float64) + 0.5
         errs.append((pf["mean"] - true).norm(dim=1)[steps // 2:])
     return float(torch.cat(errs).mean())
+
+
+def throughput(net: DMUNet, world: World, sizes: list[int], *, loop_max: int = 256,
+               repeat: int = 3, seed: int = 0) -> dict:
+    """Particles per second of the DMU update, batched and looped, measured interleaved on
+    the CPU with one thread. The loop is timed only for N <= ``loop_max`` (it is linear in N).
+    Returns ``{"sizes", "batched": [...], "loop": [... or None], "spread", "threads",
+    "reliable"}``."""
+    z = observe(world, torch.tensor([0]), seed)[0]
+    out: dict = {"sizes": list(sizes), "batched": [], "loop": [], "spread": [],
+                 "threads": 1, "reliable": True}
+    for n in sizes:
+        cells = torch.randint(len(world.free), (check_int("size", n, lo=1),),
+                              generator=_gen(seed))
+        cands = {"batched": partial(net_log_likelihood, net, world, z, cells)}
+        if n <= loop_max:
+            cands["loop"] = partial(net_log_likelihood_looped, net, world, z, cells)
+        cmp = compare(cands, warmup=1, repeat=repeat, threads=1)
+        out["batched"].append(n / cmp.timings["batched"].median)
+        out["loop"].append(n / cmp.timings["loop"].median if "loop" in cands else None)
+        out["spread"].append(max(t.spread for t in cmp.timings.values()))
+        out["reliable"] = out["reliable"] and cmp.reliable
+    return out
 
 
 def bench(device: torch.device, quick: bool) -> list[Row]:
