@@ -78,12 +78,16 @@ def test_particle_filter_converges_to_the_grid_filter():
 
 
 def test_systematic_resampling_copies_each_particle_floor_or_ceil_of_n_w():
-    w = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
-    for seed in range(20):
-        out = fl.resample(torch.arange(4), torch.log(w), seed=seed)
-        counts = torch.bincount(out, minlength=4).double()
-        n = len(out)
-        assert (counts >= torch.floor(n * w)).all() and (counts <= torch.ceil(n * w)).all()
+    """One shared offset: particle i is copied floor(N w_i) or ceil(N w_i) times, always
+    (independent or stratified draws break this)."""
+    g = torch.Generator().manual_seed(0)
+    for seed in range(30):
+        w = torch.rand(50, generator=g, dtype=torch.float64) ** 3
+        w = w / w.sum()
+        counts = torch.bincount(fl.resample(torch.arange(50), torch.log(w), seed=seed),
+                                minlength=50).double()
+        assert counts.sum() == 50
+        assert (counts >= torch.floor(50 * w)).all() and (counts <= torch.ceil(50 * w)).all()
 
 
 def test_net_batched_equals_looped():
