@@ -66,6 +66,9 @@ BENCHES: dict[str, tuple[str, str]] = {
                  "forward passes per sequence at >= 99% validity, and the decoder's own time"),
     "replicas": ("parlearn.many_copies.replicas",
                  "R replicas' SGD steps: one vmap program vs a Python loop of R models"),
+    # Part 4: the same patterns elsewhere in ML
+    "filters": ("parlearn.elsewhere.filters",
+                "DMU measurement update of N particles: one batched call vs a loop"),
 }
 
 
