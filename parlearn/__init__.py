@@ -8,7 +8,8 @@ The package is laid out as the course (``lessons/NN_*.ipynb``, the tens digit th
   collectives from send/recv (lesson 10);
 - ``multi_device``: Part 1, training on many devices (lessons 11-19);
 - ``serial_chain``: Part 2, beyond backprop's serial chain (lessons 20-29);
-- ``many_copies``: Part 3, many copies at once (lessons 30-39).
+- ``many_copies``: Part 3, many copies at once (lessons 30-39);
+- ``elsewhere``: Part 4, the same parallel patterns elsewhere in ML (lessons 40-49).
 
 Every technique also answers to its short name, which is what lessons and users type:
 ``from parlearn import pipeline`` and ``import parlearn.pipeline`` give the very module
@@ -59,6 +60,8 @@ SHORT_NAMES: dict[str, str] = {
     "eigengame": "many_copies.eigengame",
     "diffusion": "many_copies.diffusion",
     "decoding": "many_copies.decoding",
+    # Part 4: the same patterns elsewhere in ML
+    "value": "elsewhere.value",
 }
 
 

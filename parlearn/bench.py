@@ -60,6 +60,9 @@ BENCHES: dict[str, tuple[str, str]] = {
                   "EigenGame samples/s: batched vs batch-1; 8 fake devices vs 1 (JAX)"),
     "decoding": ("parlearn.many_copies.decoding.measure",
                  "forward passes per sequence at >= 99% validity, and the decoder's own time"),
+    # Part 4: the same patterns elsewhere in ML
+    "value": ("parlearn.elsewhere.value.speed",
+              "EBU targets: one batched sweep over episodes vs a loop over episodes"),
 }
 
 
