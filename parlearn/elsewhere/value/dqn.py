@@ -18,6 +18,7 @@ inside :func:`train`, so importing this module does not start it.
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -61,7 +62,7 @@ class DQNConfig:
     tau: float = 0.02             # target network rate (EMA; t-soft's base rate)
     beta: float = 0.5             # EBU diffusion factor
     ebu_episodes: int = 4         # episodes per EBU update
-    ls_every: int = 250           # LS-DQN: updates between re-fits
+    ls_every: int = 100           # LS-DQN: updates between re-fits
     ls_size: int = 2000           # LS-DQN: most recent transitions in a re-fit
     ls_lam: float = 1.0           # LS-DQN: prior strength toward the current weights
     nu: float = 1.0               # t-soft degrees of freedom
@@ -146,6 +147,25 @@ class _Replay:
                 "terminal": terminal}
 
 
+@functools.lru_cache(maxsize=8)
+def _env_and_step(max_steps: int, n: int):
+    """The cart-pole and its jitted batched step for ``n`` copies, built once per size:
+    compiling the step took seconds of each run on busy cores, and the runs of a comparison
+    all share it (the step is a pure function of its arguments)."""
+    import jax
+
+    from parlearn.many_copies.rl import batch_step, cartpole
+
+    env = cartpole(max_steps)
+
+    @jax.jit
+    def step(key, state, action):
+        key, sub = jax.random.split(key)
+        return (key, *batch_step(env, jax.random.split(sub, n), state, action))
+
+    return env, step
+
+
 def _targets_and_batch(cfg: DQNConfig, replay: _Replay, target: QNet, g: torch.Generator):
     """(obs, actions, targets) of one update: uniform transitions with one-step targets, or
     (EBU) every transition of a few sampled episodes with backward-update targets, of which
@@ -200,18 +220,11 @@ def train(config: DQNConfig, seed: int = 0,
 def _train(config: DQNConfig, seed: int, progress: Callable[[float], None] | None) -> DQNResult:
     import jax
 
-    from parlearn.many_copies.rl import batch_step, cartpole
-
     if not isinstance(config, DQNConfig):
         raise TypeError(f"config must be a DQNConfig, got {type(config).__name__}")
     seed = check_seed("seed", seed)
     cfg, N = config, config.num_envs
-    env = cartpole(cfg.max_steps)
-
-    @jax.jit
-    def step(key, state, action):
-        key, sub = jax.random.split(key)
-        return (key, *batch_step(env, jax.random.split(sub, N), state, action))
+    env, step = _env_and_step(cfg.max_steps, N)
 
     g = torch.Generator().manual_seed(seed)
     net = QNet(env.obs_dim, env.n_actions, cfg.hidden, g)
