@@ -30,10 +30,11 @@ def _episodes(B=6, A=3, seed=0, max_len=11):
 
 
 def _batched(eps, beta, gamma):
+    # Padding holds garbage (not zeros), so a result that leaks it shows.
     L, A = max(len(e["rewards"]) for e in eps), eps[0]["q_next"].shape[1]
-    q = torch.zeros(len(eps), L, A, dtype=F64)
-    a = torch.zeros(len(eps), L, dtype=torch.long)
-    r = torch.zeros(len(eps), L, dtype=F64)
+    q = torch.full((len(eps), L, A), 7.0, dtype=F64)
+    a = torch.ones(len(eps), L, dtype=torch.long)
+    r = torch.full((len(eps), L), -3.0, dtype=F64)
     for b, e in enumerate(eps):
         T = len(e["rewards"])
         q[b, :T], a[b, :T], r[b, :T] = e["q_next"], e["actions"], e["rewards"]
@@ -170,6 +171,32 @@ def test_tsoft_with_large_nu_is_the_ema(nu):
     for a, b in zip(ema, ts, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     assert all(abs(t - 0.1) < 1e-10 for t in state.last_tau)
+
+
+def test_tsoft_one_step_by_hand():
+    t, o = [torch.zeros(4, dtype=F64)], [torch.ones(4, dtype=F64)]
+    state = V.TSoftState(sigma2=[0.5], W=[9.0], last_tau=[0.1])
+    V.tsoft_update(t, o, state, 0.1, nu=1.0)
+    w = 2 / (1 + 1 / 0.5)                       # (nu + 1) / (nu + D), D = gap^2 / sigma^2 = 2
+    rate = w / (9 + w)
+    torch.testing.assert_close(t[0], torch.full((4,), rate, dtype=F64), rtol=0, atol=1e-15)
+    assert abs(state.sigma2[0] - ((1 - rate) * 0.5 + rate * 1.0)) < 1e-15
+    assert abs(state.W[0] - 0.9 * (9 + w)) < 1e-13 and abs(state.last_tau[0] - rate) < 1e-15
+
+
+def test_tsoft_rates_do_not_depend_on_the_parameters_scale():
+    start, path = _drift(steps=20)
+    rates = []
+    for c in (1.0, 1000.0):
+        ts = [c * p for p in start]
+        state = V.tsoft_init(ts, 0.1, eps=1e-30)
+        seen = []
+        for online in path:
+            V.tsoft_update(ts, [c * p for p in online], state, 0.1, nu=1.0, eps=1e-30)
+            seen.append(list(state.last_tau))
+        rates.append(seen)
+    assert max(abs(a - b) for ra, rb in zip(*rates, strict=True)
+               for a, b in zip(ra, rb, strict=True)) < 1e-9
 
 
 def test_tsoft_copies_an_outlier_slower_than_ema_and_a_usual_step_near_tau():
