@@ -47,3 +47,13 @@ def test_dqn_learns_on_cartpole():
     cfg = V.DQNConfig(env_steps=5000, num_envs=4)
     curve = V.returns_vs_steps([V.train(cfg, seed=0)], bins=6)
     assert np.nanmean(curve["mean"][-2:]) > 2 * curve["mean"][0], curve["mean"]
+
+
+def test_each_variant_changes_the_run():
+    """Same seed, same sizes: each variant's one change alters what the agent does."""
+    base = V.train(replace(SHORT, variant="dqn"), seed=5)
+    for v in ("ebu", "ls-dqn", "t-soft"):
+        run = V.train(replace(SHORT, variant=v), seed=5)
+        for net in ("online", "target"):
+            a, b = getattr(run, net), getattr(base, net)
+            assert any(not torch.equal(a[k], b[k]) for k in a), (v, net)

@@ -84,7 +84,8 @@ class DQNConfig:
 
 @dataclass
 class DQNResult:
-    """Returns of the training episodes (epsilon-greedy) and the env step each ended at."""
+    """Returns of the training episodes (epsilon-greedy) and the env step each ended at;
+    the final online and target networks' ``state_dict``s."""
 
     config: DQNConfig
     seed: int
@@ -92,6 +93,8 @@ class DQNResult:
     end_steps: list[int] = field(default_factory=list)
     updates: int = 0
     wall_s: float = 0.0
+    online: dict = field(default_factory=dict, repr=False)   # final state_dicts
+    target: dict = field(default_factory=dict, repr=False)
 
 
 class QNet(torch.nn.Module):
@@ -275,6 +278,7 @@ def _train(config: DQNConfig, seed: int, progress: Callable[[float], None] | Non
         if progress is not None:
             progress(done_steps / cfg.env_steps)
     result.wall_s = time.perf_counter() - start
+    result.online, result.target = net.state_dict(), target.state_dict()
     return result
 
 
