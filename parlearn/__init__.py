@@ -66,6 +66,7 @@ SHORT_NAMES: dict[str, str] = {
     "decoding": "many_copies.decoding",
     "replicas": "many_copies.replicas",
     # Part 4: the same patterns elsewhere in ML
+    "value": "elsewhere.value",
     "filters": "elsewhere.filters",
     "nmf": "elsewhere.nmf",
 }

@@ -67,6 +67,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "replicas": ("parlearn.many_copies.replicas",
                  "R replicas' SGD steps: one vmap program vs a Python loop of R models"),
     # Part 4: the same patterns elsewhere in ML
+    "value": ("parlearn.elsewhere.value.speed",
+              "EBU targets: one batched sweep over episodes vs a loop over episodes"),
     "filters": ("parlearn.elsewhere.filters",
                 "DMU measurement update of N particles: one batched call vs a loop"),
 }
