@@ -178,6 +178,25 @@ def _mean_field_commit_loop(conf, J, masked, *, tau, beta, eta, tol=1e-7, max_it
     return (q > 0.5) & masked, q, sweeps, residual
 
 
+def _update_order(conf: torch.Tensor, J: torch.Tensor, masked: torch.Tensor,
+                  tau: float | torch.Tensor):
+    """The masked positions in update order (descending confidence, ties by position):
+    ``(order, h, Jp, n)`` with the fields ``h`` and the couplings ``Jp`` permuted into that
+    order once, couplings to unmasked positions and the diagonal zeroed; ``n`` ranks (past
+    it every row is unmasked)."""
+    B, L = conf.shape
+    order = conf.masked_fill(~masked, -math.inf).argsort(dim=-1, descending=True, stable=True)
+    n = int(masked.sum(-1).max().item())
+    order = order[:, :n]
+    h = _fields(conf, masked, tau).gather(-1, order)
+    keep = masked.gather(-1, order)
+    Jp = J.gather(1, order[:, :, None].expand(B, n, L)).gather(2, order[:, None, :].expand(
+        B, n, n))
+    Jp = Jp * (keep[:, :, None] & keep[:, None, :]) * (1 - torch.eye(n, device=J.device,
+                                                                     dtype=J.dtype))
+    return order, h, Jp, n
+
+
 def mean_field_commit(conf: torch.Tensor, J: torch.Tensor, masked: torch.Tensor, *,
                       tau: float | torch.Tensor, beta: float, eta: float, tol: float = 1e-7,
                       max_iter: int = 200) -> tuple[torch.Tensor, torch.Tensor, int, float]:
@@ -192,16 +211,7 @@ def mean_field_commit(conf: torch.Tensor, J: torch.Tensor, masked: torch.Tensor,
     and the loop runs over the masked ranks only, on ``h`` and ``J`` permuted into
     update order once. Equal to :func:`_mean_field_commit_loop` to round-off (tested).
     """
-    B, L = conf.shape
-    order = conf.masked_fill(~masked, -math.inf).argsort(dim=-1, descending=True, stable=True)
-    n = int(masked.sum(-1).max().item())  # ranks past n are unmasked in every row
-    order = order[:, :n]
-    h = _fields(conf, masked, tau).gather(-1, order)
-    keep = masked.gather(-1, order)
-    Jp = J.gather(1, order[:, :, None].expand(B, n, L)).gather(2, order[:, None, :].expand(
-        B, n, n))
-    Jp = Jp * (keep[:, :, None] & keep[:, None, :]) * (1 - torch.eye(n, device=J.device,
-                                                                     dtype=J.dtype))
+    order, h, Jp, n = _update_order(conf, J, masked, tau)
     q = torch.sigmoid(beta * h)  # the J = 0 solution as the start
     # The update of rank r is three kernels on views made once (the loop is the cost:
     # n steps per sweep, each too small to be worth more than its dispatch):

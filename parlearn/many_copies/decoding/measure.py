@@ -179,18 +179,9 @@ def _previous_commit(conf, J, masked, *, tau, beta, eta, tol=1e-7, max_iter=200)
     and step), kept only as the "before" of the bench's own-time row."""
     import math
 
-    from parlearn.many_copies.decoding.mean_field import _fields
+    from parlearn.many_copies.decoding.mean_field import _update_order
 
-    B, L = conf.shape
-    order = conf.masked_fill(~masked, -math.inf).argsort(dim=-1, descending=True, stable=True)
-    n = int(masked.sum(-1).max().item())
-    order = order[:, :n]
-    h = _fields(conf, masked, tau).gather(-1, order)
-    keep = masked.gather(-1, order)
-    Jp = J.gather(1, order[:, :, None].expand(B, n, L)).gather(2, order[:, None, :].expand(
-        B, n, n))
-    Jp = Jp * (keep[:, :, None] & keep[:, None, :]) * (1 - torch.eye(n, device=J.device,
-                                                                     dtype=J.dtype))
+    order, h, Jp, n = _update_order(conf, J, masked, tau)
     q = torch.sigmoid(beta * h)
     residual, sweeps = (math.inf if n else 0.0), 0
     while residual > tol and sweeps < max_iter:
