@@ -18,7 +18,6 @@ Two messages a round: the schedule and the sums. :func:`run_ranks` launches it t
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -62,7 +61,7 @@ def strads_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor, alpha: 
     out = LassoRun(w)
     slot = torch.empty(workers + 1, dtype=torch.long)   # |S|, then S (padded)
     tdist.barrier()
-    start, f0, done = time.perf_counter(), None, 0
+    start, done = time.perf_counter(), 0
     for t in range(rounds + 1):
         if t < rounds:
             if rank == 0:
@@ -76,16 +75,9 @@ def strads_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor, alpha: 
             s = torch.empty(0, dtype=torch.long)
         sums = torch.cat([xp[:, s].T @ r, (r @ r).reshape(1)])
         tdist.all_reduce(sums)
-        f = float(sums[-1]) / (2 * n) + alpha * float(w.abs().sum())
-        out.objective.append(f)
-        out.updates.append(done)
-        out.seconds.append(time.perf_counter() - start)
-        f0 = f if f0 is None else f0
-        # Every rank sees the same f, so all of them stop together.
-        if not math.isfinite(f) or f > 1e6 * f0:
-            out.diverged = True
-            break
-        if t == rounds:
+        # Every rank sees the same objective, so all of them stop together.
+        if out.record(float(sums[-1]) / (2 * n) + alpha * float(w.abs().sum()), done,
+                      start) or t == rounds:
             break
         new = round_update(sums[:-1], w[s], c[s], n, alpha)
         delta = new - w[s]

@@ -212,6 +212,16 @@ class LassoRun:
     schedule: list[list[int]] = field(default_factory=list)
     diverged: bool = False
 
+    def record(self, f: float, done: int, start: float) -> bool:
+        """Note the objective ``f`` before a round, the updates ``done`` so far and the time
+        since ``start``; True (and ``diverged`` set) when ``f`` is non-finite or past
+        ``1e6`` times the first objective recorded."""
+        self.objective.append(f)
+        self.updates.append(done)
+        self.seconds.append(time.perf_counter() - start)
+        self.diverged = not math.isfinite(f) or f > 1e6 * self.objective[0]
+        return self.diverged
+
 
 def _blocks(n: int, shards: int) -> list[tuple[int, int]]:
     """Row ranges of ``shards`` near-equal contiguous blocks (rank ``p`` holds block ``p``)."""
@@ -298,18 +308,10 @@ def solve(x: torch.Tensor, y: torch.Tensor, alpha: float, *, workers: int = 1,
     xs = [x[a:b] for a, b in blocks]
     rs = [y[a:b] - xp @ w for (a, b), xp in zip(blocks, xs, strict=True)]
     out = LassoRun(w)
-    start, f0, done = time.perf_counter(), None, 0
+    start, done = time.perf_counter(), 0
     for t in range(rounds + 1):
         rr = sum(float(r @ r) for r in rs)
-        f = rr / (2 * n) + alpha * float(w.abs().sum())
-        out.objective.append(f)
-        out.updates.append(done)
-        out.seconds.append(time.perf_counter() - start)
-        f0 = f if f0 is None else f0
-        if not math.isfinite(f) or f > 1e6 * f0:
-            out.diverged = True
-            break
-        if t == rounds:
+        if out.record(rr / (2 * n) + alpha * float(w.abs().sum()), done, start) or t == rounds:
             break
         s = sched.next(t)
         z = xs[0][:, s].T @ rs[0]
