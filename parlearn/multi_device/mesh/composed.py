@@ -347,15 +347,15 @@ def assemble(results: list[dict], shape: MeshShape) -> dict[str, torch.Tensor]:
     return full
 
 
-def mesh_check(cfg: GPTConfig, shape: MeshShape, **kwargs) -> dict:
+def mesh_check(cfg: GPTConfig, shape: MeshShape, *, steps: int = 3, batch: int = 8,
+               seq: int = 16, lr: float = 1e-2, seed: int = 0, **kwargs) -> dict:
     """:func:`mesh_train` against one process (:func:`parlearn.context_parallel.serial_train`
     with Adam, the same batches): ``{"loss": max |loss difference| over steps, "params": max
     |parameter difference|, "replicas": max difference between dp replicas' shards,
     "results": the ranks' dicts}``."""
-    results = mesh_train(cfg, shape, **kwargs)
-    ref = serial_train(cfg, steps=kwargs.get("steps", 3), batch=kwargs.get("batch", 8),
-                       seq=kwargs.get("seq", 16), lr=kwargs.get("lr", 1e-2),
-                       seed=kwargs.get("seed", 0), optimizer="adam")
+    same = dict(steps=steps, batch=batch, seq=seq, lr=lr, seed=seed)  # both runs see these
+    results = mesh_train(cfg, shape, **same, **kwargs)
+    ref = serial_train(cfg, **same, optimizer="adam")
     got = assemble(results, shape)
     if set(got) != set(ref["params"]):
         raise RuntimeError(f"the mesh lost parameters: {set(ref['params']) ^ set(got)}")

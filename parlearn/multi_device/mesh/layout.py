@@ -92,7 +92,7 @@ def draw_mesh(shape: MeshShape, axes) -> None:
             for r in group:
                 c = shape.coords(r)
                 x, y = c["dp"] * shape.tp + c["tp"], c["pp"]
-                ax.add_patch(plt_rect(x, y, f"C{colour % 10}"))
+                ax.add_patch(_rect(x, y, f"C{colour % 10}"))
                 ax.text(x + 0.5, y + 0.5, str(r), ha="center", va="center", color="white",
                         fontsize=11, fontweight="bold")
         ax.set(xlim=(0, cols), ylim=(shape.pp, 0), xticks=[i + 0.5 for i in range(cols)],
@@ -103,7 +103,7 @@ def draw_mesh(shape: MeshShape, axes) -> None:
         ax.set_yticklabels([f"stage {s}" for s in range(shape.pp)], fontsize=8)
 
 
-def plt_rect(x: float, y: float, colour: str):
+def _rect(x: float, y: float, colour: str):
     from matplotlib.patches import Rectangle
 
     return Rectangle((x + 0.05, y + 0.05), 0.9, 0.9, color=colour)

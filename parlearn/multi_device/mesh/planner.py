@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from parlearn.core.checks import check_choice, check_int
 from parlearn.multi_device.memory.calculator import PRESETS, LlamaShape, estimate
@@ -111,7 +111,6 @@ class Prediction:
     time: dict[str, float]
     fits: bool
     mfu: float
-    notes: list[str] = field(default_factory=list)
 
     @property
     def step_s(self) -> float:
