@@ -116,6 +116,47 @@ def test_batched_relaxation_equals_looped(relax, any_device):
     assert _err(a.states, b.states) < 1e-14
 
 
+@pytest.mark.parametrize("conv", [False, True])
+def test_fast_forward_steps_equal_the_plain_step_function(conv):
+    from parlearn.serial_chain.multigrid.layer_parallel import _forward_step, _ForwardSteps
+    from parlearn.serial_chain.multigrid.solver import _serial_solve
+
+    st, x0 = _setup(N=16, conv=conv)
+    fast = _ForwardSteps(st, 2)
+    gen = torch.Generator().manual_seed(3)
+    for level, steps in ((0, slice(0, 16, 2)), (0, slice(1, 16, 2)), (1, slice(0, 8, 1)),
+                         (2, slice(1, 4, 2)), (0, slice(5, 6))):
+        k = len(range(steps.start, steps.stop, steps.step or 1))
+        X = torch.randn(k, *x0.shape, dtype=x0.dtype, generator=gen)
+        for _ in range(2):  # the second call reuses the cached views
+            assert _err(fast(level, steps, X), _forward_step(st, 2, level, steps, X)) < 1e-14
+    for level in (0, 2):  # the serial sweep against the solver's plain loop
+        n = 16 // 2**level
+        g = torch.randn(n + 1, *x0.shape, dtype=x0.dtype, generator=gen)
+        u1, u2 = torch.zeros_like(g), torch.zeros_like(g)
+        fast.serial_solve(level, u1, g)
+        _serial_solve(partial(_forward_step, st, 2), u2, g, level)
+        assert _err(u1, u2) < 1e-14
+
+
+@pytest.mark.parametrize("relax", ["F", "FCF"])
+@pytest.mark.parametrize("levels", [2, 3])
+def test_skipping_the_repeated_f_relaxation_changes_nothing(relax, levels):
+    from parlearn.serial_chain.multigrid.solver import _cycle
+
+    st, x0 = _setup(N=32)
+    res = mg.mgrit_forward(st, x0, cfactor=2, levels=levels, iters=3, relax=relax,
+                           record=False)
+    g = torch.zeros(33, *x0.shape, dtype=x0.dtype)
+    g[0] = x0
+    u = g[:1].expand_as(g).clone()
+    with torch.no_grad():
+        for _ in range(3):  # every cycle with its first F-relaxation
+            _cycle(partial(mg.layer_parallel._forward_step, st, 2), u, g, 0, levels, 2,
+                   relax, True)
+    assert _err(res.states, u) < 1e-14
+
+
 def test_multilevel_v_cycle_converges_to_serial(any_device):
     st, x0 = _setup(N=32, device=any_device)
     ref = st.serial(x0)
@@ -322,27 +363,56 @@ def test_cost_model_counts_every_step_call(N, m, levels, iters, relax, record):
         assert c["mgrit_depth"] == want
 
 
-def test_cost_model_matches_a_counter_on_the_stack_and_the_issue_example():
+def test_cost_model_matches_a_counter_on_the_stack_and_the_issue_example(monkeypatch):
     st, x0 = _setup(N=64)
     seen = []
-    real = st.step
+    from parlearn.serial_chain.multigrid.layer_parallel import _ForwardSteps as steps
+    call, serial = steps.__call__, steps.serial_solve
 
-    def counting(X, idx, dt):
+    def counting(self, level, idx, X):
         seen.append(X.shape[0])
-        return real(X, idx, dt)
-    st.step = counting
+        return call(self, level, idx, X)
+
+    def counting_serial(self, level, u, g):
+        seen.extend([1] * (u.shape[0] - 1))  # the coarsest level's sweep: n calls of one
+        return serial(self, level, u, g)
+    monkeypatch.setattr(steps, "__call__", counting)
+    monkeypatch.setattr(steps, "serial_solve", counting_serial)
     mg.mgrit_forward(st, x0, cfactor=4, iters=2, relax="F", record=False)
-    assert sum(seen) == 288 == mg.cost_model(64, 4, 2, 2, relax="F")["mgrit_work"]
+    # the issue's example counted 288 = 2 x 144; the second iteration now skips its first
+    # F-relaxation (3 calls of 16 steps), which recomputed the first iteration's last one
+    assert sum(seen) == 288 - 48 == mg.cost_model(64, 4, 2, 2, relax="F")["mgrit_work"]
     seen.clear()
     lp = mg.LayerParallelResNet(st, cfactor=4, fwd_iters=2, bwd_iters=3, relax="F",
                                 warm_start=False, record=False)
     lp(x0).sum().backward()
     fwd_bwd = mg.cost_model(64, 4, 2, 2, relax="F", bwd_iters=3)
-    # the adjoint's steps go through batched VJPs, not stack.step: count the forward's
+    # the adjoint's steps go through batched VJPs, not the forward's steps: count these
     assert sum(seen) == mg.cost_model(64, 4, 2, 2, relax="F")["mgrit_work"]
     bwd = mg.cost_model(64, 4, 2, 3, relax="F")
-    assert fwd_bwd["mgrit_work"] == 288 + bwd["mgrit_work"] + 64
+    assert fwd_bwd["mgrit_work"] == 240 + bwd["mgrit_work"] + 64
     assert fwd_bwd["serial_depth"] == 128
+
+
+def test_calibrated_cost_model_sums_each_calls_time():
+    st, x0 = _setup(N=64)
+    g = torch.zeros(65, *x0.shape, dtype=x0.dtype)
+    g[0] = x0
+    for m, levels, iters in ((4, 3, 2), (2, 4, 3), (8, 2, 1)):
+        step, calls = _counted(st, m)
+        mg.mgrit(step, g, cfactor=m, levels=levels, iters=iters, record=False)
+        t = {k: 1e-6 * (3 + k) + 1e-7 * k * k for k in set(calls)}
+        c = mg.cost_model(64, m, levels, iters, call_time=t.__getitem__)
+        assert c["mgrit_seconds"] == pytest.approx(sum(t[k] for k in calls), rel=1e-12)
+        assert c["serial_seconds"] == pytest.approx(64 * t[1], rel=1e-12)
+        cal = mg.calibrate(st, x0, cfactor=m, levels=levels, repeat=1)
+        assert set(cal) == set(calls) | {64} and all(v > 0 for v in cal.values())
+    with pytest.raises(ValueError, match="call_time"):
+        mg.cost_model(64, 4, 2, 1, bwd_iters=1, call_time=lambda k: 1.0)
+    with pytest.raises(ValueError, match="call_time"):
+        mg.cost_model(64, 4, 2, 1, call_time=lambda k: -1.0)
+    with pytest.raises(TypeError, match="call_time"):
+        mg.cost_model(64, 4, 2, 1, call_time=3.0)
 
 
 def test_cost_model_shape():

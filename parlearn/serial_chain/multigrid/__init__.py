@@ -30,6 +30,7 @@ residual neural networks via nonlinear multigrid" (HPEC 2020); Falgout et al.,
 from parlearn.serial_chain.multigrid.cost import (
     _ratio_row,  # noqa: F401  (private: the tests check the bench's row rules)
     bench,
+    calibrate,
     cost_model,
 )
 from parlearn.serial_chain.multigrid.layer_parallel import (
@@ -55,4 +56,4 @@ from parlearn.serial_chain.multigrid.stack import ResidualStack, conv_tanh, dens
 __all__ = ["ResidualStack", "dense_tanh", "conv_tanh", "random_stack", "MGRITResult",
            "ConvergenceWarning", "mgrit", "residual", "exact_iterations", "mgrit_forward",
            "mgrit_adjoint", "serial_adjoint", "parameter_grads", "LayerParallelResNet",
-           "SerialResNet", "train_digits", "cost_model", "bench", "RELAX"]
+           "SerialResNet", "train_digits", "cost_model", "calibrate", "bench", "RELAX"]

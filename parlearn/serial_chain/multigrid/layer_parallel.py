@@ -56,8 +56,69 @@ def _scaled(steps: slice, s: int) -> slice:
 
 def _forward_step(stack: ResidualStack, m: int, level: int, steps: slice,
                   X: torch.Tensor) -> torch.Tensor:
+    """The forward's step function, plainly: ``stack.step`` on the layers at the level's
+    spacing (the reference of :class:`_ForwardSteps`)."""
     s = m**level
     return stack.step(X, _scaled(steps, s), stack.h * s)
+
+
+class _ForwardSteps:
+    """:func:`_forward_step` for one forward solve, without its per-call Python cost.
+
+    MGRIT's calls are small, so their cost is mostly dispatch (issue 29's profile): each
+    call through ``stack.step`` sliced ``nn.Parameter`` objects (a tensor subclass, slow to
+    index) and built a parameter dict. Here the parameters are detached once, each call's
+    strided weight views are made once per solve and reused (a V-cycle repeats the same
+    slices every iteration; views, not copies, since the weights may change between
+    solves), :func:`dense_tanh` runs as ``baddbmm``, ``tanh_`` and ``X + dt F`` in place,
+    and :meth:`serial_solve` runs the coarsest level's serial sweep as a plain loop of
+    ``addmm`` on per-layer views, as :class:`SerialResNet` does. Same maths as
+    :func:`_forward_step` (equal to round-off, tested).
+    """
+
+    def __init__(self, stack: ResidualStack, m: int):
+        self.h, self.m, self.batched_fn = stack.h, m, stack.batched_fn
+        self.params = {k: v.detach() for k, v in stack.params.items()}
+        self.dense = stack.fn is dense_tanh
+        self._views: dict[tuple, Any] = {}
+
+    def _weights(self, level: int, steps: slice):
+        key = (level, steps.start, steps.stop, steps.step)
+        w = self._views.get(key)
+        if w is None:
+            idx = _scaled(steps, self.m**level)
+            p = {k: v[idx] for k, v in self.params.items()}
+            w = (p["b"].unsqueeze(1), p["W"].transpose(1, 2)) if self.dense else p
+            self._views[key] = w
+        return w
+
+    def __call__(self, level: int, steps: slice, X: torch.Tensor) -> torch.Tensor:
+        dt = self.h * self.m**level
+        w = self._weights(level, steps)
+        if self.dense:
+            return torch.baddbmm(w[0], X, w[1]).tanh_().mul_(dt).add_(X)
+        return X + dt * self.batched_fn(X, w)
+
+    def serial_solve(self, level: int, u: torch.Tensor, g: torch.Tensor) -> None:
+        """``u[0] = g[0]``, ``u[i+1] = Phi_i(u[i]) + g[i+1]``: the solver's serial sweep."""
+        u[0] = g[0]
+        if not self.dense:
+            for i in range(u.shape[0] - 1):
+                u[i + 1] = self(level, slice(i, i + 1), u[i:i + 1])[0] + g[i + 1]
+            return
+        s = self.m**level
+        key = ("serial", level)
+        layers = self._views.get(key)
+        if layers is None:
+            n = u.shape[0] - 1
+            layers = list(zip(self.params["b"][:n * s:s].unbind(0),
+                              self.params["W"][:n * s:s].transpose(1, 2).unbind(0),
+                              strict=True))
+            self._views[key] = layers
+        dt = self.h * s
+        for i, (b, Wt) in enumerate(layers):
+            x = u[i]
+            torch.add(torch.addmm(b, x, Wt).tanh_().mul_(dt).add_(x), g[i + 1], out=u[i + 1])
 
 
 def mgrit_forward(stack: ResidualStack, x0: torch.Tensor, *, cfactor: int, levels: int = 2,
@@ -77,7 +138,7 @@ def mgrit_forward(stack: ResidualStack, x0: torch.Tensor, *, cfactor: int, level
     g = torch.zeros(stack.n_layers + 1, *x0.shape, dtype=x0.dtype, device=x0.device)
     g[0] = x0.detach()
     with torch.no_grad():
-        return mgrit(partial(_forward_step, stack, cfactor), g, cfactor=cfactor, levels=levels,
+        return mgrit(_ForwardSteps(stack, cfactor), g, cfactor=cfactor, levels=levels,
                      iters=iters, tol=tol, relax=relax, warm_start=warm_start, batched=batched,
                      record=record)
 

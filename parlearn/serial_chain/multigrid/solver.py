@@ -136,7 +136,11 @@ def _sweep(step: StepFn, u, g, level: int, first: int, m: int, batched: bool) ->
     (or, with ``batched=False``, the same updates one interval at a time)."""
     n = u.shape[0] - 1
     if batched:
-        u[first + 1::m] = step(level, slice(first, n, m), u[first:n:m]) + g[first + 1::m]
+        y = step(level, slice(first, n, m), u[first:n:m])
+        if y.requires_grad or g.requires_grad:
+            u[first + 1::m] = y + g[first + 1::m]
+        else:  # the sum written straight into u's strided view: no temporary to copy
+            torch.add(y, g[first + 1::m], out=u[first + 1::m])
         return
     for i in range(first, n, m):
         u[i + 1] = step(level, slice(i, i + 1), u[i:i + 1])[0] + g[i + 1]
@@ -152,17 +156,26 @@ def _c_relax(step: StepFn, u, g, level: int, m: int, batched: bool) -> None:
 
 
 def _serial_solve(step: StepFn, u, g, level: int) -> None:
+    fast = getattr(step, "serial_solve", None)  # a step function may bring its own loop
+    if fast is not None:
+        fast(level, u, g)
+        return
     u[0] = g[0]
     for i in range(u.shape[0] - 1):
         u[i + 1] = step(level, slice(i, i + 1), u[i:i + 1])[0] + g[i + 1]
 
 
 def _cycle(step: StepFn, u, g, level: int, levels: int, m: int, relax: str,
-           batched: bool) -> None:
+           batched: bool, f_relaxed: bool = False) -> None:
+    """One V-cycle from ``level``. ``f_relaxed=True`` says ``u``'s F-points are already
+    the F-relaxation of its C-points (the previous cycle ended with one and nothing has
+    moved the C-points since), so the first F-relaxation would recompute the same values
+    and is skipped: m - 1 batched calls saved per iteration after the first."""
     if level == levels - 1:
         _serial_solve(step, u, g, level)
         return
-    _f_relax(step, u, g, level, m, batched)
+    if not f_relaxed:
+        _f_relax(step, u, g, level, m, batched)
     if relax == "FCF":
         _c_relax(step, u, g, level, m, batched)
         _f_relax(step, u, g, level, m, batched)
@@ -219,7 +232,8 @@ def mgrit(step: StepFn, g: torch.Tensor, *, cfactor: int, levels: int = 2,
         if levels == 1:
             _serial_solve(step, u, g, 0)
         else:
-            _cycle(step, u, g, 0, levels, cfactor, relax, batched)
+            _cycle(step, u, g, 0, levels, cfactor, relax, batched,
+                   f_relaxed=res.iterations > 0)
         res.iterations += 1
         if track:
             res.residuals.append(residual(step, u, g).norm().item())
