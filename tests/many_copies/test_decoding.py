@@ -152,6 +152,17 @@ def test_overlap_top_k_equals_dense(any_device, V, support, top_k):
     torch.testing.assert_close(sparse, gather, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("chunk_rows", [1, 2, 5, 8])  # 2: a short last chunk
+def test_pairwise_xlogx_in_chunks_equals_the_direct_sum(chunk_rows):
+    p = _sparse_probs(5, 6, 10, 4, "cpu", seed=2)
+    i, j = torch.triu_indices(6, 6, offset=1)
+    s = p[:, i] + p[:, j]
+    want = torch.xlogy(s, s).sum(-1)
+    got, (gi, gj) = D.mean_field._pair_xlogx(p, chunk_bytes=chunk_rows * 15 * 10 * 8)
+    assert torch.equal(gi, i) and torch.equal(gj, j)
+    torch.testing.assert_close(got, want, atol=1e-15, rtol=0)
+
+
 @pytest.mark.parametrize("top_k", [32, 5])
 def test_overlap_entropy_form_equals_the_gather_form(top_k):
     # Rows a little off a sum of one (as float32 softmax outputs are): both renormalise.
@@ -239,7 +250,11 @@ def test_overlap_memory_at_real_vocabulary():
 
 @pytest.mark.parametrize("eta", [0.5, 0.3])  # 0.3: a damping that is not its own complement
 @pytest.mark.parametrize("per_row_tau", [False, True])
-def test_mean_field_commit_equals_loop_reference(any_device, per_row_tau, eta):
+@pytest.mark.parametrize("sweeps", ["numpy", "torch"])  # the CPU's loop and every other's
+def test_mean_field_commit_equals_loop_reference(any_device, per_row_tau, eta, sweeps,
+                                                 monkeypatch):
+    if sweeps == "torch":
+        monkeypatch.setattr(D.mean_field, "_sweeps_numpy", D.mean_field._sweeps_torch)
     g = torch.Generator().manual_seed(1)
     B, L = 6, 11
     conf = torch.rand(B, L, generator=g, dtype=torch.float64).to(any_device)
