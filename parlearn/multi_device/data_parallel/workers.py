@@ -9,6 +9,7 @@ model of :mod:`parlearn.dist`.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 
@@ -26,7 +27,9 @@ from parlearn.multi_device.data_parallel.ddp import (
 )
 
 __all__ = ["STEP_KINDS", "worker_step_time", "DIGITS_METHODS", "worker_digits",
-           "summarize_steps", "step_spans", "CLUSTER_LINK", "bench"]
+           "summarize_steps", "step_spans", "rank_coding_seconds", "worker_slow_link",
+           "slow_link_check",
+           "CLUSTER_LINK", "bench"]
 
 
 STEP_KINDS = ("local", "naive", "bucketed", "compressed", "compressed_reference", "ddp")
@@ -47,8 +50,8 @@ def _wrap(kind: str, model: nn.Module, bucket_bytes: int):
 
 
 def worker_step_time(rank: int, world_size: int, kinds: Sequence[str], widths: Sequence[int],
-                     batch: int, steps: int, bucket_bytes: int = 2**20, seed: int = 0
-                     ) -> dict:
+                     batch: int, steps: int, bucket_bytes: int = 2**20, seed: int = 0,
+                     link: tuple[float, float] | None = None) -> dict:
     """Time training steps of :func:`mlp` (``widths``) on random data (batch ``batch`` per
     rank), one replica per kind in ``kinds`` (from :data:`STEP_KINDS`; ``"local"`` is the
     same model with no communication: the compute alone). The kinds take turns step by
@@ -56,8 +59,11 @@ def worker_step_time(rank: int, world_size: int, kinds: Sequence[str], widths: S
     step's wall seconds on this rank (forward + backward + communication + SGD step), the
     events of its last step relative to that step's start (empty for local and DDP) and
     the ledger's payload bytes per kind of collective in that step (DDP's C++ collectives
-    are not seen by the ledger)."""
+    are not seen by the ledger). ``link`` = ``(alpha, bandwidth)`` runs the steps on an
+    EMULATED slow link (:func:`parlearn.data_parallel.slow_link.emulated_link`); each
+    kind's ``charged`` then holds the link's wire bytes and seconds of its last step."""
     from parlearn.dist import ledger
+    from parlearn.multi_device.data_parallel.slow_link import emulated_link
 
     kinds = list(kinds)
     for k in kinds:
@@ -71,20 +77,26 @@ def worker_step_time(rank: int, world_size: int, kinds: Sequence[str], widths: S
     for k in kinds:
         model = mlp(widths, seed=seed)
         runs[k] = (_wrap(k, model, bucket_bytes), torch.optim.SGD(model.parameters(), lr=1e-3))
-    out = {k: {"times": [], "events": [], "bytes": {}} for k in kinds}
-    for _ in range(steps):
-        for k in kinds:
-            wrapped, opt = runs[k]
-            log = getattr(wrapped, "events", None)
-            start = len(log) if log is not None else 0
-            with ledger() as led:
-                t0 = time.perf_counter()
-                opt.zero_grad(set_to_none=True)
-                nn.functional.cross_entropy(wrapped(x), y).backward()
-                opt.step()
-                out[k]["times"].append(time.perf_counter() - t0)
-            out[k]["events"] = [(w, lab, t - t0) for w, lab, t in (log or [])[start:]]
-            out[k]["bytes"] = {kind: v[1] for kind, v in led.summary().items()}
+    out = {k: {"times": [], "events": [], "bytes": {}, "charged": (0.0, 0.0)} for k in kinds}
+    with emulated_link(*link) if link is not None else contextlib.nullcontext() as emu:
+        for _ in range(steps):
+            for k in kinds:
+                wrapped, opt = runs[k]
+                log = getattr(wrapped, "events", None)
+                start = len(log) if log is not None else 0
+                charged = len(emu.charges) if emu is not None else 0
+                with ledger() as led:
+                    t0 = time.perf_counter()
+                    opt.zero_grad(set_to_none=True)
+                    nn.functional.cross_entropy(wrapped(x), y).backward()
+                    opt.step()
+                    out[k]["times"].append(time.perf_counter() - t0)
+                out[k]["events"] = [(w, lab, t - t0) for w, lab, t in (log or [])[start:]]
+                out[k]["bytes"] = {kind: v[1] for kind, v in led.summary().items()}
+                if emu is not None:
+                    new = emu.charges[charged:]
+                    out[k]["charged"] = (sum(c.wire_bytes for c in new),
+                                         sum(c.seconds for c in new))
     return out
 
 
@@ -157,6 +169,120 @@ def summarize_steps(results: Sequence[dict], *, skip: int = 1) -> dict[str, dict
         q = statistics.quantiles(per_step, n=4) if len(per_step) > 1 else [per_step[0]] * 3
         out[k] = {"median": statistics.median(per_step), "q1": q[0], "q3": q[2],
                   "bytes": dict(results[0][k]["bytes"])}
+    return out
+
+
+def rank_coding_seconds(numel: int, repeat: int = 5, seed: int = 0) -> tuple[float, float]:
+    """Seconds per element of ``quantize`` and ``dequantize`` on ``numel`` standard normal
+    float32 values (medians of ``repeat`` interleaved calls) with ONE intra-op thread, as
+    each gloo rank codes (the caller's thread count is restored)."""
+    from parlearn.core.timing import compare
+    from parlearn.multi_device.data_parallel.compression import dequantize, quantize
+
+    numel = check_int("numel", numel, lo=1)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    codes, scale = quantize(x)
+    t = compare({"quantize": lambda: quantize(x),
+                 "dequantize": lambda: dequantize(codes, scale)},
+                repeat=check_int("repeat", repeat, lo=1), threads=1).timings
+    return t["quantize"].median / numel, t["dequantize"].median / numel
+
+
+_SLOW_KINDS = ("local", "bucketed", "compressed")
+
+
+def worker_slow_link(rank: int, world_size: int, widths: Sequence[int], batch: int, steps: int,
+                     real: tuple[float, float], alpha: float, factor: float,
+                     coding: tuple[float, float] | None = None) -> dict:
+    """The ranks' half of :func:`slow_link_check`: the coders timed on every rank at once
+    (:func:`rank_coding_seconds`, same load as the steps; rank 0's figures are broadcast
+    so every rank picks the same links) unless ``coding`` gives them; then the emulated
+    bandwidths of :func:`emulated_bandwidths` for the real link ``real`` = (alpha, beta);
+    then, per side whose bandwidth is finite and positive, :func:`worker_step_time` of
+    local, fp32 one-bucket and 8-bit steps on that EMULATED link."""
+    import math
+
+    import torch.distributed as tdist
+
+    from parlearn.dist import AlphaBeta
+    from parlearn.multi_device.data_parallel.slow_link import emulated_bandwidths
+
+    numel = sum(mlp_param_bytes(widths)) // 4
+    if coding is None:
+        qd = torch.tensor(rank_coding_seconds(numel), dtype=torch.float64)
+        tdist.broadcast(qd, src=0)
+        coding = (float(qd[0]), float(qd[1]))
+    q, d = coding
+    cross, below, above = emulated_bandwidths(numel, world_size, AlphaBeta(*real), alpha=alpha,
+                                              quantize_s=q, dequantize_s=d, factor=factor)
+    out = {"coding": coding, "crossover": cross, "numel": numel, "sides": {}}
+    for side, bw in (("below", below), ("above", above)):
+        runs = None
+        if 0 < bw < math.inf:
+            runs = worker_step_time(rank, world_size, _SLOW_KINDS, widths, batch, steps,
+                                    4 * numel, 0, (alpha, bw))   # one bucket: no overlap
+        out["sides"][side] = (bw, runs)
+    return out
+
+
+def slow_link_check(widths: Sequence[int], real, *, coding: tuple[float, float] | None = None,
+                    alpha: float = 1e-4, factor: float = 4.0, batch: int = 32,
+                    steps: int = 6) -> dict:
+    """8-bit vs fp32 DP steps of :func:`mlp` (``widths``) on 2 gloo ranks over an EMULATED
+    slow link, on both sides of the modeled crossover, in one launch of the ranks
+    (:func:`worker_slow_link`).
+
+    The emulated bandwidths are :func:`emulated_bandwidths`: ``factor`` below and above
+    the crossover computed from ``real`` (this machine's fitted link, an AlphaBeta), the
+    coding seconds per element (``coding`` = (quantize, dequantize); None: measured on
+    the ranks just before the steps) and ``alpha`` seconds per emulated message. On each
+    side the fp32 path (:class:`BucketedDP` with one bucket: nothing to overlap, as in the
+    modeled ``all_reduce``), the 8-bit path (:class:`CompressedDP`) and the compute alone
+    take turns for ``steps`` steps. Returns ``crossover`` (emulated bytes/s), ``coding``
+    and per side: ``bandwidth``; ``measured``, the median fp32 / 8-bit step-time ratio
+    over the interleaved steps after the first (slowest rank per step), with ``q1`` and
+    ``q3`` of those per-step ratios; ``modeled``, ``(compute + all_reduce time) / (compute
+    + compressed_all_reduce_time with coding)`` on the total link ``AlphaBeta(real.alpha
+    + alpha, real.beta + 1 / bandwidth)`` with the measured compute; the ``steps``
+    summary; rank 0's per-step ``charged`` (wire bytes, seconds) and ledger ``wire`` bytes
+    per path. A side whose bandwidth is 0 or infinite (8-bit pays nowhere or everywhere)
+    holds only ``bandwidth`` and ``skipped``, the reason."""
+    import math
+    import statistics
+
+    from parlearn.dist import AlphaBeta, collective_time, ring_bytes, run
+    from parlearn.multi_device.data_parallel.compression import compressed_all_reduce_time
+
+    if not isinstance(real, AlphaBeta):
+        raise TypeError(f"real must be an AlphaBeta, got {type(real).__name__}")
+    steps = check_int("steps", steps, lo=3)
+    res = run(worker_slow_link, 2, args=(widths, batch, steps, (real.alpha, real.beta), alpha,
+                                         factor, coding), timeout=120)
+    q, d = res[0]["coding"]
+    numel = res[0]["numel"]
+    out: dict = {"crossover": res[0]["crossover"], "alpha": alpha, "factor": factor,
+                 "numel": numel, "coding": (q, d)}
+    for side, (bw, _) in res[0]["sides"].items():
+        if not 0 < bw < math.inf:
+            out[side] = {"bandwidth": bw, "skipped": "8-bit pays at every bandwidth" if bw
+                         else "8-bit pays at no bandwidth"}
+            continue
+        runs = [r["sides"][side][1] for r in res]
+        s = summarize_steps(runs)
+        slowest = {k: [max(r[k]["times"][i] for r in runs) for i in range(steps)][1:]
+                   for k in _SLOW_KINDS}
+        ratios = [a / b for a, b in zip(slowest["bucketed"], slowest["compressed"], strict=True)]
+        qs = statistics.quantiles(ratios, n=4)
+        total = AlphaBeta(real.alpha + alpha, real.beta + 1 / bw)
+        compute = s["local"]["median"]
+        mod32 = compute + collective_time("all_reduce", 4 * numel, 2, total)
+        mod8 = compute + compressed_all_reduce_time(numel, 2, total, quantize_s=q,
+                                                    dequantize_s=d)
+        out[side] = {"bandwidth": bw, "measured": statistics.median(ratios), "q1": qs[0],
+                     "q3": qs[2], "modeled": mod32 / mod8, "steps": s,
+                     "charged": {k: runs[0][k]["charged"] for k in ("bucketed", "compressed")},
+                     "wire": {k: sum(ring_bytes(c, b, 2) for c, b in s[k]["bytes"].items())
+                              for k in ("bucketed", "compressed")}}
     return out
 
 
