@@ -10,6 +10,7 @@ model of :mod:`parlearn.dist`.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Sequence
 
@@ -200,8 +201,6 @@ def worker_slow_link(rank: int, world_size: int, widths: Sequence[int], batch: i
     bandwidths of :func:`emulated_bandwidths` for the real link ``real`` = (alpha, beta);
     then, per side whose bandwidth is finite and positive, :func:`worker_step_time` of
     local, fp32 one-bucket and 8-bit steps on that EMULATED link."""
-    import math
-
     import torch.distributed as tdist
 
     from parlearn.dist import AlphaBeta
@@ -238,16 +237,15 @@ def slow_link_check(widths: Sequence[int], real, *, coding: tuple[float, float] 
     the ranks just before the steps) and ``alpha`` seconds per emulated message. On each
     side the fp32 path (:class:`BucketedDP` with one bucket: nothing to overlap, as in the
     modeled ``all_reduce``), the 8-bit path (:class:`CompressedDP`) and the compute alone
-    take turns for ``steps`` steps. Returns ``crossover`` (emulated bytes/s), ``coding``
-    and per side: ``bandwidth``; ``measured``, the median fp32 / 8-bit step-time ratio
-    over the interleaved steps after the first (slowest rank per step), with ``q1`` and
-    ``q3`` of those per-step ratios; ``modeled``, ``(compute + all_reduce time) / (compute
-    + compressed_all_reduce_time with coding)`` on the total link ``AlphaBeta(real.alpha
-    + alpha, real.beta + 1 / bandwidth)`` with the measured compute; the ``steps``
-    summary; rank 0's per-step ``charged`` (wire bytes, seconds) and ledger ``wire`` bytes
-    per path. A side whose bandwidth is 0 or infinite (8-bit pays nowhere or everywhere)
-    holds only ``bandwidth`` and ``skipped``, the reason."""
-    import math
+    take turns for ``steps`` steps. Returns ``crossover`` (emulated bytes/s), ``coding``,
+    the arguments, and per side: ``bandwidth``; ``measured``, the median fp32 / 8-bit
+    step-time ratio over the interleaved steps after the first (slowest rank per step),
+    with ``q1`` and ``q3`` of those per-step ratios; ``modeled``, ``(compute +
+    all_reduce time) / (compute + compressed_all_reduce_time with coding)`` on the total
+    link ``AlphaBeta(real.alpha + alpha, real.beta + 1 / bandwidth)`` with the measured
+    compute; the ``steps`` summary; rank 0's per-step ``charged`` (wire bytes, seconds)
+    and ledger ``wire`` bytes per path. A side whose bandwidth is 0 or infinite (8-bit
+    pays nowhere or everywhere) holds only ``bandwidth`` and ``skipped``, the reason."""
     import statistics
 
     from parlearn.dist import AlphaBeta, collective_time, ring_bytes, run
@@ -261,7 +259,7 @@ def slow_link_check(widths: Sequence[int], real, *, coding: tuple[float, float] 
     q, d = res[0]["coding"]
     numel = res[0]["numel"]
     out: dict = {"crossover": res[0]["crossover"], "alpha": alpha, "factor": factor,
-                 "numel": numel, "coding": (q, d)}
+                 "numel": numel, "coding": (q, d), "steps": steps}
     for side, (bw, _) in res[0]["sides"].items():
         if not 0 < bw < math.inf:
             out[side] = {"bandwidth": bw, "skipped": "8-bit pays at every bandwidth" if bw
@@ -344,7 +342,9 @@ def bench(device: torch.device, quick: bool) -> list:
 
     dev = "cpu, 2 gloo ranks"
     lo, hi = coding.speedup_range("quantize")
-    return [
+    slow = slow_link_check([128, 256, 256, 10] if quick else [256, 512, 512, 512, 10], ab,
+                           steps=4 if quick else 8)
+    return _slow_link_rows(slow, ab) + [
         Row("data_parallel", "naive DP (all-reduce each grad after backward)",
             "bucketed DP (all-reduce launched from grad hooks)",
             s["naive"]["median"] / s["bucketed"]["median"], dev,
@@ -390,6 +390,47 @@ def bench(device: torch.device, quick: bool) -> list:
                     + ("" if coding.reliable else "; WARNING: spread too wide to read, "
                        "another program is using the cores"))),
     ]
+
+
+def _slow_link_rows(slow: dict, real) -> list:
+    """The bench rows of a :func:`slow_link_check` result, one per side."""
+    from parlearn.core.bench import Row
+
+    q, d = slow["coding"]
+    rows = []
+    for side in ("below", "above"):
+        o = slow[side]
+        where = f"{slow['factor']:g}x {side} the modeled crossover"
+        if "skipped" in o:
+            rows.append(Row("data_parallel", f"fp32 DP step, EMULATED link {where}",
+                            "8-bit DP step, same link", math.nan, "cpu, 2 gloo ranks",
+                            detail=f"not measured: {o['skipped']} (modeled)"))
+            continue
+        s = o["steps"]
+        rows.append(Row(
+            "data_parallel",
+            f"fp32 DP step (one bucket), EMULATED link {o['bandwidth'] / 1e6:.3g} MB/s ({where})",
+            "8-bit dynamic-tree DP step, same emulated link", o["measured"],
+            "cpu, 2 gloo ranks x 1 thread, emulated link",
+            target=f"modeled {o['modeled']:.2f}x", met=(o["measured"] > 1) == (o["modeled"] > 1),
+            detail=(f"EMULATED: each collective sleeps its alpha-beta time on a link of "
+                    f"{slow['alpha'] * 1e6:.0f} us per message and {o['bandwidth'] / 1e6:.3g} "
+                    f"MB/s after running for real (this machine's fitted link: {real}). "
+                    f"Modeled crossover: 8 bits pay below an emulated "
+                    f"{slow['crossover'] / 1e6:.3g} MB/s ({slow['numel']} params, coding "
+                    f"measured on the ranks: quantize {q * 1e9:.1f} ns, dequantize "
+                    f"{d * 1e9:.1f} ns per element). Measured ratio {o['measured']:.2f}x "
+                    f"(IQR {o['q1']:.2f}-{o['q3']:.2f} over "
+                    f"{slow['steps'] - 1} interleaved steps): fp32 "
+                    f"{s['bucketed']['median'] * 1e3:.1f} ms, 8-bit "
+                    f"{s['compressed']['median'] * 1e3:.1f} ms, compute alone "
+                    f"{s['local']['median'] * 1e3:.1f} ms. Charged per step: fp32 "
+                    f"{o['charged']['bucketed'][0]:.0f} wire bytes "
+                    f"{o['charged']['bucketed'][1] * 1e3:.1f} ms, 8-bit "
+                    f"{o['charged']['compressed'][0]:.0f} bytes "
+                    f"{o['charged']['compressed'][1] * 1e3:.1f} ms. met = measured and "
+                    f"modeled on the same side of 1.")))
+    return rows
 
 
 def step_spans(events: Sequence[tuple[str, str, float]], lane: str
