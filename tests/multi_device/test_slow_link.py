@@ -153,3 +153,47 @@ def test_bad_input_fails_fast():
                               dequantize_s=0.0, factor=1.0)
     with pytest.raises(TypeError, match="real"):
         W.slow_link_check([4, 4], (1e-4, 1e-9))
+
+
+def test_modeled_step_ratio_by_hand_on_four_ranks():
+    numel, a, b, q, d, comp = 1001, 3e-4, 1e-9, 4e-9, 1e-9, 0.01
+    n = 4 * math.ceil(numel / 4)
+    t32 = comp + 6 * a + 2 * 3 / 4 * 4 * numel * b
+    t8 = comp + 12 * a + 2 * 3 / 4 * (n + 16) * b + n * 1.25 * q + 2 * n * d
+    got = C.modeled_step_ratio(numel, 4, dist.AlphaBeta(a, b), compute_s=comp, quantize_s=q,
+                               dequantize_s=d)
+    assert got == pytest.approx(t32 / t8, rel=1e-12)
+    with pytest.raises(ValueError, match="compute_s"):
+        C.modeled_step_ratio(numel, 4, dist.AlphaBeta(a, b), compute_s=-1.0, quantize_s=q,
+                             dequantize_s=d)
+
+
+def _fake_check(skip_above=False):
+    side = {"measured": 1.5, "q1": 1.2, "q3": 1.8, "modeled": 1.7,
+            "steps": {"local": {"median": 0.01}},
+            "charged": {"bucketed": (400.0, 0.1), "compressed": (108.0, 0.03)}}
+    above = ({"bandwidth": math.inf, "skipped": "8-bit pays at every bandwidth"} if skip_above
+             else {**side, "bandwidth": 4e8, "measured": 0.5, "q1": 0.4, "q3": 0.6})
+    return {"crossover": 1e8, "alpha": 1e-4, "numel": 100, "coding": (5e-9, 1e-9),
+            "below": {**side, "bandwidth": 2.5e7}, "above": above}
+
+
+def test_plot_check_draws_the_crossover_the_model_and_each_measured_side():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    real = dist.AlphaBeta(2e-4, 1e-9)
+    fig, ax = plt.subplots()
+    lines = S.plot_check(ax, _fake_check(), real)
+    labels = [h.get_label() for h in ax.get_lines() + ax.containers]
+    assert len(lines) == 2 and "1.50x" in lines[0] and "0.50x" in lines[1]
+    assert any("crossover 100 MB/s" in lab and "modeled" in lab for lab in labels)
+    assert sum("EMULATED" in lab and "measured" in lab for lab in labels) == 2
+    vline = [ln for ln in ax.get_lines() if "crossover" in ln.get_label()][0]
+    assert vline.get_xdata()[0] == pytest.approx(100.0)      # MB/s
+    plt.close(fig)
+    fig, ax = plt.subplots()
+    lines = S.plot_check(ax, _fake_check(skip_above=True), real)
+    assert lines[0].startswith("above: not measured") and len(lines) == 2
+    plt.close(fig)

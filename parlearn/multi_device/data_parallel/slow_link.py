@@ -29,7 +29,8 @@ import torch.distributed as tdist
 from parlearn.core.checks import check_callable, check_float, check_int
 from parlearn.dist import AlphaBeta, collective_time, ring_bytes
 
-__all__ = ["EMULATED_KINDS", "Charge", "EmulatedLink", "emulated_link", "emulated_bandwidths"]
+__all__ = ["EMULATED_KINDS", "Charge", "EmulatedLink", "emulated_link", "emulated_bandwidths",
+           "plot_check"]
 
 # collective -> (positional index, keyword) of its payload, counted as the ledger counts it
 # (parlearn.dist.ledger): the tensor for all_reduce and broadcast, the input of all_to_all
@@ -182,3 +183,51 @@ def emulated_bandwidths(numel: int, world_size: int, real: AlphaBeta, *, alpha: 
     cross = math.inf if beta_e <= 0 else 1 / beta_e
     return cross, cross / factor, cross * factor
 
+
+
+def plot_check(ax, check: dict, real: AlphaBeta) -> list[str]:
+    """Draw a :func:`parlearn.data_parallel.workers.slow_link_check` result on ``ax``: the
+    modeled fp32 / 8-bit step ratio over emulated bandwidths from 1/30 to 30 times the
+    crossover (total link ``real`` + the emulated one, compute the median of the sides'
+    measured compute, the check's coding), the modeled crossover as a dashed vertical
+    line, and each measured side's median ratio with its IQR. Returns one line of text
+    per side (measured vs modeled, bytes charged)."""
+    import numpy as np
+
+    from parlearn.core.viz import modeled_label, plot_measured, plot_modeled
+    from parlearn.multi_device.data_parallel.compression import modeled_step_ratio
+
+    q, d = check["coding"]
+    done = [check[s] for s in ("below", "above") if "skipped" not in check[s]]
+    lines = [f"{s}: not measured, {check[s]['skipped']}" for s in ("below", "above")
+             if "skipped" in check[s]]
+    cross = check["crossover"]
+    if not done or not 0 < cross < math.inf:
+        return lines
+    compute = float(np.median([o["steps"]["local"]["median"] for o in done]))
+    bws = np.logspace(math.log10(cross / 30), math.log10(cross * 30), 61)
+    ratio = [modeled_step_ratio(check["numel"], 2,
+                                AlphaBeta(real.alpha + check["alpha"], real.beta + 1 / b),
+                                compute_s=compute, quantize_s=q, dequantize_s=d) for b in bws]
+    plot_modeled(ax, bws / 1e6, ratio, name="fp32 / 8-bit step",
+                 formula="alpha-beta + coding, real + emulated link")
+    ax.axvline(cross / 1e6, color="k", ls="--", lw=1,
+               label=modeled_label(f"crossover {cross / 1e6:.3g} MB/s", "alpha-beta"))
+    for side in ("below", "above"):
+        o = check[side]
+        if "skipped" in o:
+            continue
+        plot_measured(ax, [o["bandwidth"] / 1e6], [o["measured"]], name=f"{side} crossover",
+                      device="cpu, 2 gloo ranks x 1 thread, EMULATED link", ls="none",
+                      yerr=[[o["measured"] - o["q1"]], [o["q3"] - o["measured"]]])
+        lines.append(f"emulated {o['bandwidth'] / 1e6:.3g} MB/s ({side}): fp32 / 8-bit step "
+                     f"measured {o['measured']:.2f}x (IQR {o['q1']:.2f}-{o['q3']:.2f}), "
+                     f"modeled {o['modeled']:.2f}x; charged per step: fp32 "
+                     f"{o['charged']['bucketed'][0]:.0f} B, 8-bit "
+                     f"{o['charged']['compressed'][0]:.0f} B")
+    ax.axhline(1, color="gray", lw=0.6)
+    ax.set(xscale="log", yscale="log", xlabel="emulated link bandwidth (MB/s)",
+           ylabel="fp32 step / 8-bit step",
+           title=f"{check['numel']} params, 2 ranks; quantize {q * 1e9:.1f}, dequantize "
+                 f"{d * 1e9:.1f} ns/element (measured on the ranks)")
+    return lines

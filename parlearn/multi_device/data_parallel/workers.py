@@ -248,8 +248,8 @@ def slow_link_check(widths: Sequence[int], real, *, coding: tuple[float, float] 
     pays nowhere or everywhere) holds only ``bandwidth`` and ``skipped``, the reason."""
     import statistics
 
-    from parlearn.dist import AlphaBeta, collective_time, ring_bytes, run
-    from parlearn.multi_device.data_parallel.compression import compressed_all_reduce_time
+    from parlearn.dist import AlphaBeta, ring_bytes, run
+    from parlearn.multi_device.data_parallel.compression import modeled_step_ratio
 
     if not isinstance(real, AlphaBeta):
         raise TypeError(f"real must be an AlphaBeta, got {type(real).__name__}")
@@ -272,12 +272,10 @@ def slow_link_check(widths: Sequence[int], real, *, coding: tuple[float, float] 
         ratios = [a / b for a, b in zip(slowest["bucketed"], slowest["compressed"], strict=True)]
         qs = statistics.quantiles(ratios, n=4)
         total = AlphaBeta(real.alpha + alpha, real.beta + 1 / bw)
-        compute = s["local"]["median"]
-        mod32 = compute + collective_time("all_reduce", 4 * numel, 2, total)
-        mod8 = compute + compressed_all_reduce_time(numel, 2, total, quantize_s=q,
-                                                    dequantize_s=d)
+        modeled = modeled_step_ratio(numel, 2, total, compute_s=s["local"]["median"],
+                                     quantize_s=q, dequantize_s=d)
         out[side] = {"bandwidth": bw, "measured": statistics.median(ratios), "q1": qs[0],
-                     "q3": qs[2], "modeled": mod32 / mod8, "steps": s,
+                     "q3": qs[2], "modeled": modeled, "steps": s,
                      "charged": {k: runs[0][k]["charged"] for k in ("bucketed", "compressed")},
                      "wire": {k: sum(ring_bytes(c, b, 2) for c, b in s[k]["bytes"].items())
                               for k in ("bucketed", "compressed")}}
