@@ -125,10 +125,12 @@ def emulated_link(alpha: float, bandwidth: float, *,
     """Inside the block, every collective of :data:`EMULATED_KINDS` issued through
     ``torch.distributed``'s Python API runs, is waited for if async, and is then followed
     by ``sleep(collective_time(kind, payload, N, AlphaBeta(alpha, 1 / bandwidth)))``, which
-    is recorded in the yielded :class:`EmulatedLink`. Other collectives pass uncharged.
-    Collectives torch issues from C++ (DDP's own buckets) are not seen. Links do not nest;
-    a :func:`parlearn.dist.ledger` may be opened inside or around the block (its times
-    then include the emulated delay). ``sleep`` is for tests."""
+    is recorded in the yielded :class:`EmulatedLink` (``N`` is the size of the ``group``
+    passed by keyword, else the world). Other collectives pass uncharged, and so do those
+    torch issues from C++ (DDP's own buckets). Links do not nest. A
+    :func:`parlearn.dist.ledger` may be opened inside the block (its records then time
+    the emulated delay too) or around it (they time the real collective only). ``sleep``
+    is for tests."""
     link = EmulatedLink(alpha, bandwidth, sleep=sleep)
     if _active:
         raise RuntimeError("an emulated link is already active on this process")
