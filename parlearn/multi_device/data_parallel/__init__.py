@@ -10,6 +10,8 @@ module             what it holds
                    and their serial references
 ``compression``    the compressed all-reduce on those codes, its DDP comm hook, error
                    feedback, its cost with coding and the bandwidth where 8 bits pay
+``slow_link``      an EMULATED slow link (a delay per message and per byte after each
+                   collective) and the emulated bandwidths either side of the crossover
 ``stragglers``     slow workers: order statistics of delays, backup workers (Chen et al.)
 ``workers``        lesson 11's measurements on real ranks and the bench rows
 =================  =======================================================================

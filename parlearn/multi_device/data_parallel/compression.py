@@ -36,7 +36,7 @@ __all__ = ["CODE_BITS", "code_table", "sorted_codes", "quantize", "dequantize",
            "quantize_linear_int8", "dequantize_linear_int8", "relative_error",
            "compressed_all_reduce", "compressed_all_reduce_reference", "ErrorFeedback",
            "dettmers8_hook", "Dettmers8HookState", "compressed_all_reduce_time",
-           "crossover_bandwidth", "coding_seconds"]
+           "crossover_bandwidth", "modeled_step_ratio", "coding_seconds"]
 
 
 class ErrorFeedback:
@@ -297,3 +297,19 @@ def crossover_bandwidth(numel: int, world_size: int, alpha: float, *,
     return (b32 - b8) / (a8 - a32)
 
 
+
+
+def modeled_step_ratio(numel: int, world_size: int, link, *, compute_s: float,
+                       quantize_s: float, dequantize_s: float) -> float:
+    """Modeled fp32 / 8-bit DP step-time ratio on ``link`` (an AlphaBeta):
+    ``(compute_s + collective_time("all_reduce", 4 numel)) / (compute_s +
+    compressed_all_reduce_time(numel, ..., quantize_s, dequantize_s))``; above 1 the
+    8 bits pay. The fp32 all-reduce is one message of all gradients (nothing overlapped),
+    as the 8-bit one is."""
+    from parlearn.dist import collective_time
+
+    compute_s = check_float("compute_s", compute_s, lo=0)
+    t32 = compute_s + collective_time("all_reduce", 4 * numel, world_size, link)
+    t8 = compute_s + compressed_all_reduce_time(numel, world_size, link, quantize_s=quantize_s,
+                                                dequantize_s=dequantize_s)
+    return t32 / t8

@@ -9,6 +9,8 @@ model of :mod:`parlearn.dist`.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
 from collections.abc import Sequence
 
@@ -26,7 +28,9 @@ from parlearn.multi_device.data_parallel.ddp import (
 )
 
 __all__ = ["STEP_KINDS", "worker_step_time", "DIGITS_METHODS", "worker_digits",
-           "summarize_steps", "step_spans", "CLUSTER_LINK", "bench"]
+           "summarize_steps", "step_spans", "rank_coding_seconds", "worker_slow_link",
+           "slow_link_check",
+           "CLUSTER_LINK", "bench"]
 
 
 STEP_KINDS = ("local", "naive", "bucketed", "compressed", "compressed_reference", "ddp")
@@ -47,8 +51,8 @@ def _wrap(kind: str, model: nn.Module, bucket_bytes: int):
 
 
 def worker_step_time(rank: int, world_size: int, kinds: Sequence[str], widths: Sequence[int],
-                     batch: int, steps: int, bucket_bytes: int = 2**20, seed: int = 0
-                     ) -> dict:
+                     batch: int, steps: int, bucket_bytes: int = 2**20, seed: int = 0,
+                     link: tuple[float, float] | None = None) -> dict:
     """Time training steps of :func:`mlp` (``widths``) on random data (batch ``batch`` per
     rank), one replica per kind in ``kinds`` (from :data:`STEP_KINDS`; ``"local"`` is the
     same model with no communication: the compute alone). The kinds take turns step by
@@ -56,8 +60,11 @@ def worker_step_time(rank: int, world_size: int, kinds: Sequence[str], widths: S
     step's wall seconds on this rank (forward + backward + communication + SGD step), the
     events of its last step relative to that step's start (empty for local and DDP) and
     the ledger's payload bytes per kind of collective in that step (DDP's C++ collectives
-    are not seen by the ledger)."""
+    are not seen by the ledger). ``link`` = ``(alpha, bandwidth)`` runs the steps on an
+    EMULATED slow link (:func:`parlearn.data_parallel.slow_link.emulated_link`); each
+    kind's ``charged`` then holds the link's wire bytes and seconds of its last step."""
     from parlearn.dist import ledger
+    from parlearn.multi_device.data_parallel.slow_link import emulated_link
 
     kinds = list(kinds)
     for k in kinds:
@@ -71,20 +78,26 @@ def worker_step_time(rank: int, world_size: int, kinds: Sequence[str], widths: S
     for k in kinds:
         model = mlp(widths, seed=seed)
         runs[k] = (_wrap(k, model, bucket_bytes), torch.optim.SGD(model.parameters(), lr=1e-3))
-    out = {k: {"times": [], "events": [], "bytes": {}} for k in kinds}
-    for _ in range(steps):
-        for k in kinds:
-            wrapped, opt = runs[k]
-            log = getattr(wrapped, "events", None)
-            start = len(log) if log is not None else 0
-            with ledger() as led:
-                t0 = time.perf_counter()
-                opt.zero_grad(set_to_none=True)
-                nn.functional.cross_entropy(wrapped(x), y).backward()
-                opt.step()
-                out[k]["times"].append(time.perf_counter() - t0)
-            out[k]["events"] = [(w, lab, t - t0) for w, lab, t in (log or [])[start:]]
-            out[k]["bytes"] = {kind: v[1] for kind, v in led.summary().items()}
+    out = {k: {"times": [], "events": [], "bytes": {}, "charged": (0.0, 0.0)} for k in kinds}
+    with emulated_link(*link) if link is not None else contextlib.nullcontext() as emu:
+        for _ in range(steps):
+            for k in kinds:
+                wrapped, opt = runs[k]
+                log = getattr(wrapped, "events", None)
+                start = len(log) if log is not None else 0
+                charged = len(emu.charges) if emu is not None else 0
+                with ledger() as led:
+                    t0 = time.perf_counter()
+                    opt.zero_grad(set_to_none=True)
+                    nn.functional.cross_entropy(wrapped(x), y).backward()
+                    opt.step()
+                    out[k]["times"].append(time.perf_counter() - t0)
+                out[k]["events"] = [(w, lab, t - t0) for w, lab, t in (log or [])[start:]]
+                out[k]["bytes"] = {kind: v[1] for kind, v in led.summary().items()}
+                if emu is not None:
+                    new = emu.charges[charged:]
+                    out[k]["charged"] = (sum(c.wire_bytes for c in new),
+                                         sum(c.seconds for c in new))
     return out
 
 
@@ -160,6 +173,115 @@ def summarize_steps(results: Sequence[dict], *, skip: int = 1) -> dict[str, dict
     return out
 
 
+def rank_coding_seconds(numel: int, repeat: int = 5, seed: int = 0) -> tuple[float, float]:
+    """Seconds per element of ``quantize`` and ``dequantize`` on ``numel`` standard normal
+    float32 values (medians of ``repeat`` interleaved calls) with ONE intra-op thread, as
+    each gloo rank codes (the caller's thread count is restored)."""
+    from parlearn.core.timing import compare
+    from parlearn.multi_device.data_parallel.compression import dequantize, quantize
+
+    numel = check_int("numel", numel, lo=1)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    codes, scale = quantize(x)
+    t = compare({"quantize": lambda: quantize(x),
+                 "dequantize": lambda: dequantize(codes, scale)},
+                repeat=check_int("repeat", repeat, lo=1), threads=1).timings
+    return t["quantize"].median / numel, t["dequantize"].median / numel
+
+
+_SLOW_KINDS = ("local", "bucketed", "compressed")
+
+
+def worker_slow_link(rank: int, world_size: int, widths: Sequence[int], batch: int, steps: int,
+                     real: tuple[float, float], alpha: float, factor: float,
+                     coding: tuple[float, float] | None = None) -> dict:
+    """The ranks' half of :func:`slow_link_check`: the coders timed on every rank at once
+    (:func:`rank_coding_seconds`, same load as the steps; rank 0's figures are broadcast
+    so every rank picks the same links) unless ``coding`` gives them; then the emulated
+    bandwidths of :func:`emulated_bandwidths` for the real link ``real`` = (alpha, beta);
+    then, per side whose bandwidth is finite and positive, :func:`worker_step_time` of
+    local, fp32 one-bucket and 8-bit steps on that EMULATED link."""
+    import torch.distributed as tdist
+
+    from parlearn.dist import AlphaBeta
+    from parlearn.multi_device.data_parallel.slow_link import emulated_bandwidths
+
+    numel = sum(mlp_param_bytes(widths)) // 4
+    if coding is None:
+        qd = torch.tensor(rank_coding_seconds(numel), dtype=torch.float64)
+        tdist.broadcast(qd, src=0)
+        coding = (float(qd[0]), float(qd[1]))
+    q, d = coding
+    cross, below, above = emulated_bandwidths(numel, world_size, AlphaBeta(*real), alpha=alpha,
+                                              quantize_s=q, dequantize_s=d, factor=factor)
+    out = {"coding": coding, "crossover": cross, "numel": numel, "sides": {}}
+    for side, bw in (("below", below), ("above", above)):
+        runs = None
+        if 0 < bw < math.inf:
+            runs = worker_step_time(rank, world_size, _SLOW_KINDS, widths, batch, steps,
+                                    4 * numel, 0, (alpha, bw))   # one bucket: no overlap
+        out["sides"][side] = (bw, runs)
+    return out
+
+
+def slow_link_check(widths: Sequence[int], real, *, coding: tuple[float, float] | None = None,
+                    alpha: float = 1e-4, factor: float = 4.0, batch: int = 32,
+                    steps: int = 6) -> dict:
+    """8-bit vs fp32 DP steps of :func:`mlp` (``widths``) on 2 gloo ranks over an EMULATED
+    slow link, on both sides of the modeled crossover, in one launch of the ranks
+    (:func:`worker_slow_link`).
+
+    The emulated bandwidths are :func:`emulated_bandwidths`: ``factor`` below and above
+    the crossover computed from ``real`` (this machine's fitted link, an AlphaBeta), the
+    coding seconds per element (``coding`` = (quantize, dequantize); None: measured on
+    the ranks just before the steps) and ``alpha`` seconds per emulated message. On each
+    side the fp32 path (:class:`BucketedDP` with one bucket: nothing to overlap, as in the
+    modeled ``all_reduce``), the 8-bit path (:class:`CompressedDP`) and the compute alone
+    take turns for ``steps`` steps. Returns ``crossover`` (emulated bytes/s), ``coding``,
+    the arguments, and per side: ``bandwidth``; ``measured``, the median fp32 / 8-bit
+    step-time ratio over the interleaved steps after the first (slowest rank per step),
+    with ``q1`` and ``q3`` of those per-step ratios; ``modeled``, ``(compute +
+    all_reduce time) / (compute + compressed_all_reduce_time with coding)`` on the total
+    link ``AlphaBeta(real.alpha + alpha, real.beta + 1 / bandwidth)`` with the measured
+    compute; the ``steps`` summary; rank 0's per-step ``charged`` (wire bytes, seconds)
+    and ledger ``wire`` bytes per path. A side whose bandwidth is 0 or infinite (8-bit
+    pays nowhere or everywhere) holds only ``bandwidth`` and ``skipped``, the reason."""
+    import statistics
+
+    from parlearn.dist import AlphaBeta, ring_bytes, run
+    from parlearn.multi_device.data_parallel.compression import modeled_step_ratio
+
+    if not isinstance(real, AlphaBeta):
+        raise TypeError(f"real must be an AlphaBeta, got {type(real).__name__}")
+    steps = check_int("steps", steps, lo=3)
+    res = run(worker_slow_link, 2, args=(widths, batch, steps, (real.alpha, real.beta), alpha,
+                                         factor, coding), timeout=120)
+    q, d = res[0]["coding"]
+    numel = res[0]["numel"]
+    out: dict = {"crossover": res[0]["crossover"], "alpha": alpha, "factor": factor,
+                 "numel": numel, "coding": (q, d), "steps": steps}
+    for side, (bw, _) in res[0]["sides"].items():
+        if not 0 < bw < math.inf:
+            out[side] = {"bandwidth": bw, "skipped": "8-bit pays at every bandwidth" if bw
+                         else "8-bit pays at no bandwidth"}
+            continue
+        runs = [r["sides"][side][1] for r in res]
+        s = summarize_steps(runs)
+        slowest = {k: [max(r[k]["times"][i] for r in runs) for i in range(steps)][1:]
+                   for k in _SLOW_KINDS}
+        ratios = [a / b for a, b in zip(slowest["bucketed"], slowest["compressed"], strict=True)]
+        qs = statistics.quantiles(ratios, n=4)
+        total = AlphaBeta(real.alpha + alpha, real.beta + 1 / bw)
+        modeled = modeled_step_ratio(numel, 2, total, compute_s=s["local"]["median"],
+                                     quantize_s=q, dequantize_s=d)
+        out[side] = {"bandwidth": bw, "measured": statistics.median(ratios), "q1": qs[0],
+                     "q3": qs[2], "modeled": modeled, "steps": s,
+                     "charged": {k: runs[0][k]["charged"] for k in ("bucketed", "compressed")},
+                     "wire": {k: sum(ring_bytes(c, b, 2) for c, b in s[k]["bytes"].items())
+                              for k in ("bucketed", "compressed")}}
+    return out
+
+
 # Assumed cluster link for the modeled figures at scale (an assumption, not a
 # measurement): 5 us per message and 25 GB/s per rank, the order of an HDR InfiniBand link.
 CLUSTER_LINK = (5e-6, 1 / 25e9)
@@ -218,7 +340,9 @@ def bench(device: torch.device, quick: bool) -> list:
 
     dev = "cpu, 2 gloo ranks"
     lo, hi = coding.speedup_range("quantize")
-    return [
+    slow = slow_link_check([128, 256, 256, 10] if quick else [256, 512, 512, 512, 10], ab,
+                           steps=4 if quick else 8)
+    return _slow_link_rows(slow, ab) + [
         Row("data_parallel", "naive DP (all-reduce each grad after backward)",
             "bucketed DP (all-reduce launched from grad hooks)",
             s["naive"]["median"] / s["bucketed"]["median"], dev,
@@ -264,6 +388,47 @@ def bench(device: torch.device, quick: bool) -> list:
                     + ("" if coding.reliable else "; WARNING: spread too wide to read, "
                        "another program is using the cores"))),
     ]
+
+
+def _slow_link_rows(slow: dict, real) -> list:
+    """The bench rows of a :func:`slow_link_check` result, one per side."""
+    from parlearn.core.bench import Row
+
+    q, d = slow["coding"]
+    rows = []
+    for side in ("below", "above"):
+        o = slow[side]
+        where = f"{slow['factor']:g}x {side} the modeled crossover"
+        if "skipped" in o:
+            rows.append(Row("data_parallel", f"fp32 DP step, EMULATED link {where}",
+                            "8-bit DP step, same link", math.nan, "cpu, 2 gloo ranks",
+                            detail=f"not measured: {o['skipped']} (modeled)"))
+            continue
+        s = o["steps"]
+        rows.append(Row(
+            "data_parallel",
+            f"fp32 DP step (one bucket), EMULATED link {o['bandwidth'] / 1e6:.3g} MB/s ({where})",
+            "8-bit dynamic-tree DP step, same emulated link", o["measured"],
+            "cpu, 2 gloo ranks x 1 thread, emulated link",
+            target=f"modeled {o['modeled']:.2f}x", met=(o["measured"] > 1) == (o["modeled"] > 1),
+            detail=(f"EMULATED: each collective sleeps its alpha-beta time on a link of "
+                    f"{slow['alpha'] * 1e6:.0f} us per message and {o['bandwidth'] / 1e6:.3g} "
+                    f"MB/s after running for real (this machine's fitted link: {real}). "
+                    f"Modeled crossover: 8 bits pay below an emulated "
+                    f"{slow['crossover'] / 1e6:.3g} MB/s ({slow['numel']} params, coding "
+                    f"measured on the ranks: quantize {q * 1e9:.1f} ns, dequantize "
+                    f"{d * 1e9:.1f} ns per element). Measured ratio {o['measured']:.2f}x "
+                    f"(IQR {o['q1']:.2f}-{o['q3']:.2f} over "
+                    f"{slow['steps'] - 1} interleaved steps): fp32 "
+                    f"{s['bucketed']['median'] * 1e3:.1f} ms, 8-bit "
+                    f"{s['compressed']['median'] * 1e3:.1f} ms, compute alone "
+                    f"{s['local']['median'] * 1e3:.1f} ms. Charged per step: fp32 "
+                    f"{o['charged']['bucketed'][0]:.0f} wire bytes "
+                    f"{o['charged']['bucketed'][1] * 1e3:.1f} ms, 8-bit "
+                    f"{o['charged']['compressed'][0]:.0f} bytes "
+                    f"{o['charged']['compressed'][1] * 1e3:.1f} ms. met = measured and "
+                    f"modeled on the same side of 1.")))
+    return rows
 
 
 def step_spans(events: Sequence[tuple[str, str, float]], lane: str
