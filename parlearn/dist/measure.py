@@ -191,10 +191,11 @@ def ring_vs_gloo(sizes: Sequence[int] = STUDY_SIZES, world_sizes: Sequence[int] 
     impls = ("all_reduce", "ring_all_reduce")
     out: dict = {"sizes": [n // 4 * 4 for n in sizes], "world_sizes": world_sizes,
                  "backend": backend, "repeat": repeat,
-                 "device": f"{backend} ranks on {_where(backend)}", "torch_threads": [], "os_threads": [], "load": [],
-                 "max_diff": [], "max_abs": [], "median_s": {k: [] for k in impls},
-                 "q1_s": {k: [] for k in impls}, "q3_s": {k: [] for k in impls},
-                 "times_s": {k: [] for k in impls}, "ratio": [], "ratio_q1": [], "ratio_q3": [], "fit": {k: [] for k in impls},
+                 "device": f"{backend} ranks on {_where(backend)}", "torch_threads": [],
+                 "os_threads": [], "load": [], "max_diff": [], "max_abs": [],
+                 "median_s": {k: [] for k in impls}, "q1_s": {k: [] for k in impls},
+                 "q3_s": {k: [] for k in impls}, "times_s": {k: [] for k in impls},
+                 "ratio": [], "ratio_q1": [], "ratio_q3": [], "fit": {k: [] for k in impls},
                  "modeled_s": {k: [] for k in impls}, "modeled_ratio": []}
     for done, n_ranks in enumerate(world_sizes):
         per_rank, load = other_load(lambda n=n_ranks: run(
@@ -231,37 +232,83 @@ def ring_vs_gloo(sizes: Sequence[int] = STUDY_SIZES, world_sizes: Sequence[int] 
     return out
 
 
-def _trust(reliable: bool) -> str:
-    return "spread ok" if reliable else "UNRELIABLE: another program is using the cores"
+def _trust(load: float | None, spreads: Sequence[float] = ()) -> str:
+    """What a row's timings can be trusted for: the CPU other programs used while they ran
+    (:func:`other_load`; the ranks' own work is not counted) and, apart from it, whether the
+    repeats' spread (interquartile range over median) exceeded :data:`SPREAD_LIMIT`."""
+    wide = max(spreads, default=0.0)
+    if load is None:
+        text = "load of other programs unknown"
+    elif load > LOAD_LIMIT:
+        text = f"UNRELIABLE: other programs used {load:.1f} cores meanwhile"
+    else:
+        text = f"other programs used {load:.2f} cores (quiet)"
+    if wide > SPREAD_LIMIT:
+        text += f"; spread up to {wide:.0%}" + (
+            " with the cores otherwise quiet: the ranks' own jitter" if load is not None
+            and load <= LOAD_LIMIT else "")
+    return text
+
+
+# Sizes (bytes) of the ring-vs-gloo rows: latency-bound, middle, bandwidth-bound.
+_ROW_SIZES = (1 << 16, 1 << 20, 1 << 26)
 
 
 def bench(device: torch.device, quick: bool) -> list:
     """Rows for ``python -m parlearn.bench dist``, all on 2 real ranks (NCCL when ``device``
-    is CUDA and there are 2 GPUs, else gloo on the CPU): the ring all-reduce written from
-    send/recv against ``torch.distributed.all_reduce`` (4 MiB, interleaved), and measured
-    all-reduce time against the alpha-beta model fitted on a separate sweep, at 3 sizes
-    between the fitted ones (ratio measured/modeled)."""
+    is CUDA and there are 2 GPUs, else gloo on the CPU, one intra-op thread per rank).
+
+    Ring all-reduce from send/recv against ``torch.distributed.all_reduce``
+    (:func:`ring_vs_gloo`: interleaved, median of per-repeat ratios with IQR) at a
+    latency-bound 64 KiB and a bandwidth-bound 64 MiB (4 MiB with ``quick``), each beside
+    the ratio the alpha-beta ring formula gives with each implementation's own fit on the
+    same run (three sizes). Then measured all-reduce time against the alpha-beta model
+    fitted on a separate sweep, at 3 sizes between the fitted ones (ratio
+    measured/modeled). Every row says how much CPU other programs used meanwhile."""
     backend = "nccl" if device.type == "cuda" and default_backend(2) == "nccl" else "gloo"
-    repeat = 3 if quick else 9
-    big = 1 << 20 if quick else 1 << 22
-    cmp = sweep_collective(("all_reduce", "ring_all_reduce"), [big], 2, repeat=repeat,
-                           backend=backend)
-    t_torch, t_ring = cmp["median_s"]["all_reduce"][0], cmp["median_s"]["ring_all_reduce"][0]
-    rows = [Row("dist", f"all_reduce {big >> 20} MiB", "ring from send/recv (parlearn)",
-                t_torch / t_ring, cmp["device"],
-                detail=f"torch {t_torch * 1e3:.2f} ms, ring {t_ring * 1e3:.2f} ms; "
-                       f"{_trust(cmp['reliable'])}")]
+    repeat = 5 if quick else 21
+    sizes = _ROW_SIZES[:2] + ((1 << 22,) if quick else _ROW_SIZES[2:])
+    st = ring_vs_gloo(sizes, (2,), repeat, backend=backend)
+    where, why = f"2 {st['device']}", {
+        0: "latency-bound: the ring pays 2(N-1) Python-level send/recv steps, gloo one "
+           "C++ call on its worker thread; both wait on the scheduler, so under load the "
+           "per-repeat ratio swings widely",
+        len(sizes) - 1: "bandwidth-bound: both run a ring (gloo's in C++, 1 MiB segments, "
+                        "two in flight); near parity at 4-16 MiB, while at 64 MiB ours "
+                        "loses the time its fresh 32 MiB receive buffer costs in page "
+                        "faults each call (lesson 10 measures both)"}
+    rows = []
+    for j in (0, len(sizes) - 1):
+        n = st["sizes"][j]
+        g, r = st["median_s"]["all_reduce"][0][j], st["median_s"]["ring_all_reduce"][0][j]
+        spreads = [(st["q3_s"][k][0][j] - st["q1_s"][k][0][j]) / st["median_s"][k][0][j]
+                   for k in ("all_reduce", "ring_all_reduce")]
+        size = f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+        rows.append(Row(
+            "dist", f"all_reduce {size}", "ring from send/recv (parlearn)", st["ratio"][0][j],
+            where,
+            detail=f"median of {repeat} interleaved per-repeat ratios, IQR "
+                   f"{st['ratio_q1'][0][j]:.2f}-{st['ratio_q3'][0][j]:.2f}; torch "
+                   f"{g * 1e3:.2f} ms, ring {r * 1e3:.2f} ms (medians); modeled "
+                   f"{st['modeled_ratio'][0][j]:.2f}x from 2(N-1)a + 2(N-1)/N nb fitted on "
+                   f"this run per implementation (torch {st['fit']['all_reduce'][0]}; ring "
+                   f"{st['fit']['ring_all_reduce'][0]}); {st['torch_threads'][0]} intra-op "
+                   f"thread, {st['os_threads'][0]} OS threads per rank; {why[j]}; "
+                   f"{_trust(st['load'][0], spreads)}"))
     fit_sizes = DEFAULT_SIZES[::4] if quick else DEFAULT_SIZES[::2]
-    sw = sweep_collective(("all_reduce",), fit_sizes, 2, repeat=repeat, backend=backend)
+    sw, load_fit = other_load(lambda: sweep_collective(("all_reduce",), fit_sizes, 2,
+                                                       repeat=repeat, backend=backend))
     model = fit_alpha_beta(sw["sizes"], sw["median_s"]["all_reduce"], kind="all_reduce",
                            world_size=2)
     check = [3 * 1024 // 4 * 4, 96 * 1024, 3 * 1024 * 1024]
-    at = sweep_collective(("all_reduce",), check, 2, repeat=repeat, backend=backend)
-    for n, t in zip(at["sizes"], at["median_s"]["all_reduce"], strict=True):
+    at, load_at = other_load(lambda: sweep_collective(("all_reduce",), check, 2,
+                                                      repeat=repeat, backend=backend))
+    load = None if load_fit is None or load_at is None else max(load_fit, load_at)
+    for j, (n, t) in enumerate(zip(at["sizes"], at["median_s"]["all_reduce"], strict=True)):
         modeled = collective_time("all_reduce", n, 2, model)
         rows.append(Row("dist", f"measured all_reduce {n / 1024:.0f} KiB",
                         "alpha-beta model (fitted here)", t / modeled, at["device"],
                         detail=f"ratio = measured/modeled; {model}; measured "
                                f"{t * 1e6:.0f} us, modeled {modeled * 1e6:.0f} us; "
-                               f"{_trust(sw['reliable'] and at['reliable'])}"))
+                               f"{_trust(load, [at['spread']['all_reduce'][j]])}"))
     return rows
