@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from parlearn.dist import collectives, measure, run
-from parlearn.dist.cost import AlphaBeta, collective_time
+from parlearn.dist.cost import AlphaBeta, collective_time, fit_alpha_beta
 
 T = 20  # group timeout (s); generous for a loaded machine
 SIZES = [256, 4100]  # bytes: 64 and 1025 float32 (1025 does not split evenly on 2 or 3 ranks)
@@ -59,6 +59,9 @@ def test_model_is_the_ring_formula_fitted_per_world_size_and_implementation(stud
         for impl in ("all_reduce", "ring_all_reduce"):
             fit = study["fit"][impl][i]
             assert isinstance(fit, AlphaBeta)
+            # Fitted to this implementation's own medians at this world size.
+            assert fit == fit_alpha_beta(SIZES, study["median_s"][impl][i], kind="all_reduce",
+                                         world_size=n_ranks)
             expected = [collective_time("all_reduce", n, n_ranks, fit) for n in SIZES]
             assert study["modeled_s"][impl][i] == pytest.approx(expected)
         ratio = [a / b for a, b in zip(study["modeled_s"]["all_reduce"][i],
@@ -128,3 +131,33 @@ def test_other_load_subtracts_our_own_cpu(monkeypatch):
     assert load > 0
     monkeypatch.setattr(measure, "_busy_seconds", lambda: None)
     assert measure.other_load(lambda: 1) == (1, None)
+
+
+def test_study_takes_the_slowest_rank_of_each_repeat(monkeypatch):
+    # Scripted ranks (no processes): rank 1 is the slower one in some repeats, rank 0 in others.
+    def fake_run(fn, world_size, **kwargs):
+        assert fn is collectives.ring_vs_gloo_times and world_size == 2
+        base = {"max_diff": {64: 0.0, 128: 0.0}, "max_abs": {64: 1.0, 128: 1.0},
+                "torch_threads": 1, "os_threads": 4}
+        return [dict(base, all_reduce={64: [1.0, 5.0, 2.0], 128: [2.0, 2.0, 2.0]},
+                     ring_all_reduce={64: [2.0, 1.0, 1.0], 128: [4.0, 4.0, 8.0]}),
+                dict(base, all_reduce={64: [3.0, 1.0, 2.0], 128: [2.0, 2.0, 2.0]},
+                     ring_all_reduce={64: [1.0, 1.0, 4.0], 128: [4.0, 4.0, 4.0]})]
+
+    monkeypatch.setattr(measure, "run", fake_run)
+    st = measure.ring_vs_gloo([64, 128], [2], repeat=3)
+    assert st["times_s"]["all_reduce"][0] == [[3.0, 5.0, 2.0], [2.0, 2.0, 2.0]]
+    assert st["times_s"]["ring_all_reduce"][0] == [[2.0, 1.0, 4.0], [4.0, 4.0, 8.0]]
+    # Per-repeat gloo/ring: 1.5, 5, 0.5 -> median 1.5; and 0.5, 0.5, 0.25 -> median 0.5.
+    assert st["ratio"][0] == [1.5, 0.5]
+    assert st["median_s"]["all_reduce"][0] == [3.0, 2.0]
+    assert st["q1_s"]["ring_all_reduce"][0][1] == 4.0 and st["q3_s"]["ring_all_reduce"][0][1] == 6.0
+
+
+def test_bench_label_blames_other_programs_only_when_they_used_the_cores():
+    busy = measure._trust(1.3, [0.1])
+    assert busy.startswith("UNRELIABLE") and "1.3 cores" in busy
+    # A wide spread with the machine otherwise quiet is the ranks' own jitter, not load.
+    quiet = measure._trust(0.05, [0.6])
+    assert "UNRELIABLE" not in quiet and "60%" in quiet and "own jitter" in quiet
+    assert "unknown" in measure._trust(None, [0.1])
