@@ -5,8 +5,10 @@
 
 :func:`sweep_collective` times collectives (median and quartiles of the slowest rank, over
 interleaved repeats) at a sweep of payload sizes; :func:`measure_alpha_beta` fits
-:func:`parlearn.dist.cost.fit_alpha_beta` to such a sweep. :func:`bench` is the ``dist``
-group of ``python -m parlearn.bench``.
+:func:`parlearn.dist.cost.fit_alpha_beta` to such a sweep. :func:`ring_vs_gloo` is lesson 10's
+study of the ring from send/recv against ``all_reduce`` over sizes and world sizes, and
+:func:`other_load` says how much CPU other programs took while something ran. :func:`bench`
+is the ``dist`` group of ``python -m parlearn.bench``.
 """
 
 from __future__ import annotations
