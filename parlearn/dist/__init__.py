@@ -10,7 +10,8 @@ module                 what it holds
 ``traffic``            :func:`ledger`: every collective a rank issues, its bytes and time
 ``cost``               the alpha-beta model: closed forms per collective, the fit
 ``collectives``        ring all-reduce from send/recv, and the workers lesson 10 runs
-``measure``            sweeps of real collectives, the fitted alpha-beta, bench rows
+``measure``            sweeps of real collectives, the fitted alpha-beta, ring vs gloo,
+                       the load of other programs, bench rows
 ``card``               a hardware card: measured or modeled alpha-beta, FLOP/s, memory
 ``__main__``           ``python -m parlearn.dist`` / ``torchrun -m parlearn.dist``
 =====================  ====================================================================
@@ -20,11 +21,26 @@ between ranks builds on this package; it builds only on :mod:`parlearn.core`.
 """
 
 from parlearn.dist.card import Card
-from parlearn.dist.cost import ALGORITHMS, KINDS, AlphaBeta, collective_time, fit_alpha_beta, ring_bytes
+from parlearn.dist.cost import (
+    ALGORITHMS,
+    KINDS,
+    AlphaBeta,
+    collective_time,
+    fit_alpha_beta,
+    ring_bytes,
+)
 from parlearn.dist.launch import RankError, default_backend, device_for, run
-from parlearn.dist.measure import DEFAULT_SIZES, measure_alpha_beta, sweep_collective
+from parlearn.dist.measure import (
+    DEFAULT_SIZES,
+    STUDY_SIZES,
+    measure_alpha_beta,
+    other_load,
+    ring_vs_gloo,
+    sweep_collective,
+)
 from parlearn.dist.traffic import Ledger, Record, ledger
 
 __all__ = ["run", "RankError", "device_for", "default_backend", "ledger", "Ledger", "Record",
            "AlphaBeta", "KINDS", "ALGORITHMS", "collective_time", "fit_alpha_beta", "ring_bytes",
-           "sweep_collective", "measure_alpha_beta", "DEFAULT_SIZES", "Card"]
+           "sweep_collective", "measure_alpha_beta", "DEFAULT_SIZES", "Card", "ring_vs_gloo",
+           "other_load", "STUDY_SIZES"]

@@ -23,6 +23,7 @@ sum of the ranks' tensors, which the tests and the lesson compute in the caller.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -34,7 +35,8 @@ from parlearn.dist.traffic import ledger
 
 __all__ = ["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "hello", "rank_tensor",
            "ring_vs_torch", "ring_check", "ring_trace", "ring_ledger", "collectives_demo",
-           "plot_collectives", "time_collectives", "TIMED_KINDS", "REDUCING"]
+           "plot_collectives", "time_collectives", "ring_vs_gloo_times", "TIMED_KINDS",
+           "REDUCING"]
 
 
 def _exchange(send: torch.Tensor, to: int, recv: torch.Tensor, frm: int) -> None:
@@ -317,4 +319,41 @@ def time_collectives(rank: int, world_size: int, kinds: tuple[str, ...], sizes: 
                 t = _timed_once(kind, x, rank, y)
                 if i >= warmup:
                     out[kind].setdefault(x.numel() * 4, []).append(t)
+    return out
+
+
+def ring_vs_gloo_times(rank: int, world_size: int, sizes: tuple[int, ...], repeat: int,
+                       warmup: int = 1, seed: int = 0) -> dict:
+    """Worker: ``torch.distributed.all_reduce`` and :func:`ring_all_reduce` of the same
+    float32 tensor at each payload size in bytes, alternated within every repeat (which one
+    goes first swaps from repeat to repeat, so neither always follows the other), a barrier
+    before each call; ``warmup`` untimed rounds first.
+
+    Before timing, both all-reduce this rank's :func:`rank_tensor` (float32) and the largest
+    difference of the two results is kept, beside the largest absolute value of the sum.
+    Returns ``{"all_reduce": {bytes: [s]}, "ring_all_reduce": {bytes: [s]},
+    "max_diff": {bytes: float}, "max_abs": {bytes: float}, "torch_threads": int,
+    "os_threads": int}``: ``torch_threads`` is this rank's intra-op thread count, and
+    ``os_threads`` the threads of the whole process (gloo's included) once both ran."""
+    dev = device_for(rank)
+    out: dict = {"all_reduce": {}, "ring_all_reduce": {}, "max_diff": {}, "max_abs": {}}
+    for nbytes in sizes:
+        numel = nbytes // 4
+        x = rank_tensor(rank, numel, seed, torch.float32).to(dev)
+        theirs, ours = x.clone(), x.clone()
+        tdist.all_reduce(theirs)
+        ring_all_reduce(ours)
+        out["max_diff"][numel * 4] = float((theirs - ours).abs().max())
+        out["max_abs"][numel * 4] = float(theirs.abs().max())
+        x = torch.ones(numel, device=dev)
+        for i in range(warmup + repeat):
+            order = ("all_reduce", "ring_all_reduce")[:: 1 if i % 2 == 0 else -1]
+            for kind in order:
+                t = _timed_once(kind, x, rank, x)
+                if i >= warmup:
+                    out[kind].setdefault(numel * 4, []).append(t)
+    out["torch_threads"] = torch.get_num_threads()
+    # /proc lists one entry per thread of this process (Linux); elsewhere count none.
+    task = f"/proc/{os.getpid()}/task"
+    out["os_threads"] = len(os.listdir(task)) if os.path.isdir(task) else 0
     return out
