@@ -327,7 +327,8 @@ def calibrate(world_sizes: Sequence[int] = (2,), kinds: Sequence[str] = LINK_KIN
     notes = (f"measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on "
              f"{platform.node() or 'this machine'} ({platform.processor() or platform.machine()}"
              f"), torch {torch.__version__}"
-             f"{' in FAST mode (small sizes, few repeats)' if fast else ''}. Collectives: {'/'.join(sorted(backends))} ranks "
+             f"{' in FAST mode (small sizes, few repeats)' if fast else ''}. Collectives: "
+             f"{'/'.join(sorted(backends))} ranks "
              f"(1 thread each), {len(sizes)} sizes {min(sizes)}-{max(sizes)} B, {repeat} "
              f"repeats, median of the slowest rank, worst spread {worst:.0%}; fitted to the "
              f"ring formulas. Compute on {dev} with {n_threads} thread(s): "
@@ -402,10 +403,11 @@ def _h100_ib() -> Card:
     that crosses the network (16 GPUs = 2 nodes of 8).
 
     Compute, HBM: the H100 SXM datasheet's peaks, as in ``h100-8x-nvlink`` (989 TFLOP/s
-    bf16/fp16 dense, 67 TFLOP/s fp32 and fp64, 3.35 TB/s, 80 GB), not sustained. Links: beta = 1/50 GB/s, the 400 Gb/s line rate
-    in each direction: an UPPER bound (NCCL loses protocol overhead, ~20% on NVLink per
-    nccl-tests #212), and hierarchical or SHARP algorithms, which this flat ring ignores,
-    beat it. Alphas are ASSUMPTIONS: 5 us per ring step, 10 us per p2p message.
+    bf16/fp16 dense, 67 TFLOP/s fp32 and fp64, 3.35 TB/s, 80 GB), not sustained. Links:
+    beta = 1/50 GB/s, the 400 Gb/s line rate in each direction: an UPPER bound (NCCL
+    loses protocol overhead, ~20% on NVLink per nccl-tests #212), and hierarchical or
+    SHARP algorithms, which this flat ring ignores, beat it. Alphas are ASSUMPTIONS: 5 us
+    per ring step, 10 us per p2p message.
     """
     links = {f"{k}@16": AlphaBeta(5e-6, 1 / 50e9) for k in LINK_KINDS if k != "p2p"}
     links["p2p@16"] = AlphaBeta(10e-6, 1 / 50e9)

@@ -32,7 +32,6 @@ NCCL), through :mod:`parlearn.dist.__main__`::
 
 from __future__ import annotations
 
-import ast
 import datetime
 import importlib
 import itertools
