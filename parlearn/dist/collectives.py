@@ -48,10 +48,25 @@ def _exchange(send: torch.Tensor, to: int, recv: torch.Tensor, frm: int) -> None
     req.wait()
 
 
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def _scratch(like: torch.Tensor) -> torch.Tensor:
+    """A receive buffer of ``like``'s size, dtype and device, kept between calls (one per
+    dtype and device in this process, grown to the largest chunk seen). A fresh buffer
+    per call cost as much as the transfer at 64 MiB: the OS hands new pages over one
+    fault at a time (lesson 10, section 6, measures it), which gloo avoids the same way."""
+    key = (like.dtype, like.device)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < like.numel():
+        buf = _SCRATCH[key] = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
+    return buf[:like.numel()]
+
+
 def _reduce_scatter_phase(chunks: list[torch.Tensor], rank: int, n: int,
                           log: list | None) -> None:
     right, left = (rank + 1) % n, (rank - 1) % n
-    buf = torch.empty_like(chunks[0])  # chunk 0 is the longest
+    buf = _scratch(chunks[0])  # chunk 0 is the longest
     for step in range(n - 1):
         out, into = (rank - step - 1) % n, (rank - step - 2) % n
         incoming = buf[:chunks[into].numel()]

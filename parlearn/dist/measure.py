@@ -276,9 +276,9 @@ def bench(device: torch.device, quick: bool) -> list:
            "C++ call on its worker thread; both wait on the scheduler, so under load the "
            "per-repeat ratio swings widely",
         len(sizes) - 1: "bandwidth-bound: both run a ring (gloo's in C++, 1 MiB segments, "
-                        "two in flight); near parity at 4-16 MiB, while at 64 MiB ours "
-                        "loses the time its fresh 32 MiB receive buffer costs in page "
-                        "faults each call (lesson 10 measures both)"}
+                        "two in flight), so near parity; ours lost at 64 MiB (0.62-0.76) "
+                        "while it allocated a fresh 32 MiB receive buffer per call, whose "
+                        "page faults cost tens of ms; it now keeps one (lesson 10, 6)"}
     rows = []
     for j in (0, len(sizes) - 1):
         n = st["sizes"][j]

@@ -430,3 +430,15 @@ def test_plot_collectives_draws_every_collective():
     assert sum(len(ax.texts) for ax in axes[:, 0]) == sum(
         v[0].numel() for d in demo for v in d.values())
     plt.close(fig)
+
+
+def test_ring_receive_buffer_is_kept_between_calls_and_grows():
+    from parlearn.dist.collectives import _scratch
+
+    a = _scratch(torch.empty(1000))
+    b = _scratch(torch.empty(10))  # a smaller chunk reuses the kept buffer
+    assert b.numel() == 10 and b.data_ptr() == a.data_ptr()
+    c = _scratch(torch.empty(5000))  # a larger one replaces it
+    assert c.numel() == 5000 and _scratch(torch.empty(3000)).data_ptr() == c.data_ptr()
+    d = _scratch(torch.empty(7, dtype=torch.float64))  # one per dtype
+    assert d.dtype == torch.float64 and d.numel() == 7
