@@ -55,7 +55,8 @@ def _scratch(like: torch.Tensor) -> torch.Tensor:
     """A receive buffer of ``like``'s size, dtype and device, kept between calls (one per
     dtype and device in this process, grown to the largest chunk seen). A fresh buffer
     per call cost as much as the transfer at 64 MiB: the OS hands new pages over one
-    fault at a time (lesson 10, section 6, measures it), which gloo avoids the same way."""
+    fault at a time (lesson 10, section 6, measures it), which gloo avoids the same way.
+    Shared, so one ring at a time per process (as the workers here run them)."""
     key = (like.dtype, like.device)
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < like.numel():
