@@ -282,8 +282,10 @@ def _dequantize_rows(codes: torch.Tensor, scales: torch.Tensor,
     return tables.index_select(0, index).view(codes.shape)
 
 
-def coding_seconds(numel: int = 2**21, *, repeat: int = 5, seed: int = 0) -> Comparison:
-    """Measured on this machine's CPU with torch's current threads: seconds per call of
+def coding_seconds(numel: int = 2**21, *, repeat: int = 5, seed: int = 0,
+                   threads: int | None = None) -> Comparison:
+    """Measured on this machine's CPU with ``threads`` intra-op threads (None: torch's
+    current count; the caller's count is restored): seconds per call of
     :func:`quantize` and :func:`dequantize` (float32 in and out) and of their serial
     references, on ``numel`` standard normal values, interleaved in one run. Returns the
     :class:`parlearn.core.timing.Comparison`; divide by ``numel`` for seconds per
@@ -298,4 +300,4 @@ def coding_seconds(numel: int = 2**21, *, repeat: int = 5, seed: int = 0) -> Com
                     "quantize": lambda: quantize(x),
                     "dequantize_reference": lambda: dequantize_reference(codes, s),
                     "dequantize": lambda: dequantize(codes, s)},
-                   baseline="quantize_reference", repeat=repeat)
+                   baseline="quantize_reference", repeat=repeat, threads=threads)

@@ -319,8 +319,9 @@ def bench(device: torch.device, quick: bool) -> list:
                 for k in ("naive", "bucketed")}
     wire = {k: sum(ring_bytes(kind, b, 2) for kind, b in s[k]["bytes"].items())
             for k in ("bucketed", "compressed")}
-    # the coders on one process, same size as the gradient, interleaved with their references
-    coding = coding_seconds(numel, repeat=3 if quick else 7)
+    # the coders on one process, same size as the gradient, interleaved with their
+    # references, on ONE thread as each gloo rank codes (the caller's 2 would flatter them)
+    coding = coding_seconds(numel, repeat=3 if quick else 7, threads=1)
     t = coding.timings
     q, d = t["quantize"].median / numel, t["dequantize"].median / numel
     mod8 = compute + compressed_all_reduce_time(numel, 2, ab, quantize_s=q, dequantize_s=d)
