@@ -7,7 +7,8 @@ ratios together with their interquartile range.
 
 Every result says how far to trust it: ``spread`` is the interquartile range of the
 repeats over their median, and when it exceeds :data:`SPREAD_LIMIT` the result is
-marked unreliable and its text says so (another program is using the cores). Each
+marked unreliable and its text says so (the usual cause: another program using the
+cores; the spread alone cannot tell which). Each
 timing also records the torch intra-op thread count it ran with; see
 :data:`parlearn.device.THREAD_POLICY` and :func:`parlearn.device.threads`.
 """
@@ -30,7 +31,8 @@ __all__ = ["Timing", "Comparison", "measure", "compare", "sweep", "SPREAD_LIMIT"
 
 # Interquartile range / median above which a figure is flagged as unreadable.
 SPREAD_LIMIT = 0.25
-UNRELIABLE = "another program is using the cores; this figure is not reliable"
+UNRELIABLE = ("repeats too spread to read (likely another program on the cores); this "
+              "figure is not reliable")
 
 
 def _quartiles(xs) -> tuple[float, float]:

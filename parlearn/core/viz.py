@@ -85,7 +85,7 @@ def mark_reliability(ax, reliable: bool) -> None:
 
     if reliable or any(t.get_gid() == _WARNING_GID for t in ax.texts):
         return
-    ax.annotate("WARNING: " + UNRELIABLE.replace("; ", ";\n"), xy=(0.5, 1.0),
+    ax.annotate("WARNING: " + UNRELIABLE.replace(" (", "\n(").replace("; ", ";\n"), xy=(0.5, 1.0),
                 xycoords=_axes_and_titles(ax), xytext=(0, 3), textcoords="offset points",
                 ha="center", va="bottom", color="red", fontsize=9, gid=_WARNING_GID,
                 annotation_clip=False)

@@ -323,7 +323,7 @@ def calibrate(world_sizes: Sequence[int] = (2,), kinds: Sequence[str] = LINK_KIN
     else:
         where, memory, devices = f"{os.cpu_count()} CPU cores", _host_memory(), 1
     trust = "" if worst <= SPREAD_LIMIT and copy.reliable else \
-        " UNRELIABLE: spreads above the limit, another program is using the cores."
+        " UNRELIABLE: spreads above the limit (usually another program using the cores)."
     notes = (f"measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on "
              f"{platform.node() or 'this machine'} ({platform.processor() or platform.machine()}"
              f"), torch {torch.__version__}"

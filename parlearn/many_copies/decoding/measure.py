@@ -12,6 +12,7 @@ import torch
 
 from parlearn.core.bench import Row
 from parlearn.core.checks import check_float, check_int
+from parlearn.core.timing import UNRELIABLE
 from parlearn.many_copies.decoding.loop import STRATEGIES, DecodeResult, _check_params, decode
 from parlearn.many_copies.decoding.mean_field import overlap_coupling
 
@@ -246,5 +247,4 @@ def _own_time_row(dname: str, den, lang, batch: int, device, quick: bool) -> Row
                f"{t['after'].spread:.0%}), before {t['before'].median * 1e3:.1f} ms, one "
                f"denoiser pass {t['denoiser'].median * 1e3:.1f} ms (spread "
                f"{t['denoiser'].spread:.0%})"
-               + ("" if cmp.reliable else "; WARNING: spread too wide to read, another "
-                  "program is using the cores"))
+               + ("" if cmp.reliable else f"; WARNING: {UNRELIABLE}"))

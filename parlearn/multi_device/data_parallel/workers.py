@@ -19,6 +19,7 @@ from torch import nn
 
 from parlearn.core.checks import check_choice, check_int
 from parlearn.core.models import mlp, mlp_param_bytes
+from parlearn.core.timing import UNRELIABLE
 from parlearn.multi_device.data_parallel.ddp import (
     BucketedDP,
     CompressedDP,
@@ -386,8 +387,7 @@ def bench(device: torch.device, quick: bool) -> list:
                     f"{gbs('quantize_reference')}; dequantize {gbs('dequantize')} vs "
                     f"reference {gbs('dequantize_reference')} "
                     f"({coding.speedup('dequantize', 'dequantize_reference'):.2f}x)"
-                    + ("" if coding.reliable else "; WARNING: spread too wide to read, "
-                       "another program is using the cores"))),
+                    + ("" if coding.reliable else f"; WARNING: {UNRELIABLE}"))),
     ]
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from parlearn.core.bench import Row
 from parlearn.core.checks import check_bool, check_callable, check_choice, check_int
-from parlearn.core.timing import compare
+from parlearn.core.timing import UNRELIABLE, compare
 from parlearn.serial_chain.multigrid.layer_parallel import (
     LayerParallelResNet,
     SerialResNet,
@@ -201,7 +201,7 @@ def _ratio_row(name: str, baseline: str, variant: str, cmp, limit: float, device
         detail += ("; MEASURED ABOVE THE MODELED LIMIT: a bug to explain (baseline or "
                    "model), not a result")
     if not cmp.reliable:
-        detail += "; WARNING: another program is using the cores; this figure is not reliable"
+        detail += f"; WARNING: {UNRELIABLE}"
     return Row(name, baseline, variant, ratio, str(device), target, met, detail)
 
 
