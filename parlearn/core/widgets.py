@@ -240,10 +240,12 @@ class OptionalRun:
 
     ``now=True`` presses it at once, errors raising (``settings.fast()`` in a lesson: the
     tests run exactly what the button runs, and fail when it fails); otherwise Run All
-    skips the step until the reader asks for it. ``text`` holds the last result.
+    skips the step until the reader asks for it. ``text`` holds the last result. If ``run``
+    takes a ``progress`` argument it is given ``progress(fraction, text="")``, which moves a
+    progress bar beside the button (as in :class:`Dashboard`).
     """
 
-    def __init__(self, description: str, run: Callable[[], str], *, now: bool = False) -> None:
+    def __init__(self, description: str, run: Callable[..., str], *, now: bool = False) -> None:
         if not callable(run):
             raise TypeError(f"run must be callable, got {type(run).__name__}")
         if not isinstance(now, bool):
@@ -252,6 +254,8 @@ class OptionalRun:
         self.button = W.Button(description=description, button_style="info",
                                layout={"width": "auto"})
         self.status = W.HTML("<i>not run: press the button</i>")
+        self._takes_progress = "progress" in inspect.signature(run).parameters
+        self.progress = W.FloatProgress(value=0.0, min=0.0, max=1.0, layout={"width": "240px"})
         self.text: str | None = None
         self.error: Exception | None = None
         self.button.on_click(lambda _: self._press_safely())
@@ -260,11 +264,19 @@ class OptionalRun:
 
     def _press(self) -> str:
         self.status.value = "<i>running...</i>"
+        self.progress.value = 0.0
         start = time.perf_counter()
-        self.text = str(self.run_fn())
+        self.text = str(self.run_fn(progress=self._set_progress) if self._takes_progress
+                        else self.run_fn())
+        self.progress.value = 1.0
         self.status.value = (f"<pre>{html.escape(self.text)}</pre>"
                              f"<i>done in {time.perf_counter() - start:.1f} s</i>")
         return self.text
+
+    def _set_progress(self, fraction: float, text: str = "") -> None:
+        self.progress.value = min(max(float(fraction), 0.0), 1.0)
+        if text:
+            self.status.value = f"<i>{html.escape(text)}</i>"
 
     def _press_safely(self) -> None:
         # A browser callback has nowhere to raise to: the error goes to the status line.
@@ -278,4 +290,4 @@ class OptionalRun:
     def _ipython_display_(self) -> None:
         from IPython.display import display
 
-        display(W.VBox([self.button, self.status]))
+        display(W.VBox([W.HBox([self.button, self.progress]), self.status]))

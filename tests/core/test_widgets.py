@@ -173,3 +173,17 @@ def test_optional_run_now_runs_at_once_and_raises():
         OptionalRun("go", lambda: (_ for _ in ()).throw(RuntimeError("boom")), now=True)
     with pytest.raises(TypeError, match="run"):
         OptionalRun("go", 3)
+
+
+def test_optional_run_moves_its_progress_bar():
+    seen = []
+
+    def run(progress) -> str:
+        progress(0.5, "half way")
+        seen.append(r.progress.value)
+        return "done"
+
+    r = OptionalRun("go", run)
+    assert r.progress.value == 0.0
+    r.button.click()
+    assert seen == [0.5] and r.progress.value == 1.0 and r.text == "done"

@@ -104,6 +104,19 @@ def test_loss_falls_on_the_corpus():
     assert out["train_loss"][-1] < out["train_loss"][0] - 1.0
 
 
+def test_train_threads_are_used_then_restored():
+    cfg = T.GPTConfig(vocab_size=T.pydoc_corpus().vocab_size, d_model=16, n_heads=2,
+                      n_layers=1, max_seq=16)
+    seen = []
+    before = torch.get_num_threads()
+    T.train(cfg, steps=2, batch=2, eval_every=1, threads=1,
+            progress=lambda f, t: seen.append(torch.get_num_threads()))
+    assert seen == [1, 1] and torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="threads"):
+        T.train(cfg, steps=2, progress=False, threads=0)
+    assert torch.get_num_threads() == before
+
+
 @pytest.mark.parametrize("kw, match", [
     ({"d_model": 10, "n_heads": 4}, "n_heads=4 must divide d_model=10"),
     ({"d_model": 12, "n_heads": 4}, "even head dimension"),

@@ -260,31 +260,36 @@ def evaluate(env: Env, params: dict | None, *, episodes: int = 64, max_steps: in
              seed: int = 0) -> np.ndarray:
     """Return of the first episode of each of ``episodes`` copies (cut at ``max_steps``).
 
-    Actions are sampled from the policy; ``params=None`` acts uniformly at random.
+    Actions are sampled from the policy; ``params=None`` acts uniformly at random (zero
+    logits). Both go through one compiled program, the choice passed as a traced flag, so
+    the random baseline beside a default-sized policy (``init_policy``'s shapes) compiles
+    nothing new; ``params=None`` runs that policy's network and discards its logits.
     """
     import jax
 
     check_int("episodes", episodes, lo=1)
     check_int("max_steps", max_steps, lo=1)
     check_int("seed", seed, lo=0)
-    return np.asarray(_evaluator(env, episodes, max_steps, params is None)(
-        params, jax.random.key(seed)))
+    random_policy = params is None
+    if random_policy:
+        params = init_policy(jax.random.key(0), env.obs_dim, env.n_actions)
+    return np.asarray(_evaluator(env, episodes, max_steps)(
+        params, jax.random.key(seed), random_policy))
 
 
 @functools.lru_cache(maxsize=16)
-def _evaluator(env: Env, episodes: int, max_steps: int, random_policy: bool):
+def _evaluator(env: Env, episodes: int, max_steps: int):
     import jax
     import jax.numpy as jnp
 
-    def run(params, key):
+    def run(params, key, random_policy):
         k_env, k_run = jax.random.split(key)
         obs, state = jax.vmap(env.reset)(jax.random.split(k_env, episodes))
 
         def step(carry, key):
             obs, state, total, alive = carry
             k_act, k_env = jax.random.split(key)
-            logits = (jnp.zeros((episodes, env.n_actions)) if random_policy
-                      else policy_logits_value(params, obs)[0])
+            logits = jnp.where(random_policy, 0.0, policy_logits_value(params, obs)[0])
             action = jax.random.categorical(k_act, logits)
             obs, state, r, term, trunc, _ = batch_step(env, jax.random.split(k_env, episodes),
                                                        state, action)

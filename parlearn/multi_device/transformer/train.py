@@ -17,6 +17,7 @@ two agree exactly (tested).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -24,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from parlearn.core.checks import check_callable, check_float, check_int
+from parlearn.core.device import threads as device_threads
 from parlearn.multi_device.transformer.corpus import CharCorpus, get_batch, pydoc_corpus
 from parlearn.multi_device.transformer.model import GPT, GPTConfig, count_params
 
@@ -78,7 +80,8 @@ def train(cfg: GPTConfig | None = None, *, steps: int = 300, batch: int = 32,
           seq: int | None = None, lr: float = 3e-3, corpus: CharCorpus | None = None,
           device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
           eval_every: int = 50, seed: int = 0, autocast: torch.dtype | None = None,
-          progress: bool | Callable[[float, str], None] = True) -> dict:
+          progress: bool | Callable[[float, str], None] = True,
+          threads: int | None = None) -> dict:
     """Train a :class:`GPT` with AdamW (cosine decay after a short warm-up) on ``corpus``
     (default :func:`pydoc_corpus`); returns ``{"model", "steps", "train_loss",
     "eval_steps", "val_loss", "tokens"}``.
@@ -86,7 +89,10 @@ def train(cfg: GPTConfig | None = None, *, steps: int = 300, batch: int = 32,
     Batches come from a generator seeded by ``seed``; the model's weights from
     ``cfg.seed``. ``autocast``: e.g. ``torch.bfloat16`` to run forward and loss under
     ``torch.autocast`` (fp32 master weights, as torch.amp does). ``progress``: a tqdm bar
-    (True), none (False) or ``progress(fraction, text)`` called at each evaluation."""
+    (True), none (False) or ``progress(fraction, text)`` called at each evaluation.
+    ``threads``: torch intra-op threads for the run, the caller's count restored afterwards
+    (None: the caller's count); one thread keeps this small model's step fast when other
+    programs share the cores (see :mod:`parlearn.core.device`)."""
     corpus = pydoc_corpus() if corpus is None else corpus
     cfg = GPTConfig(vocab_size=corpus.vocab_size) if cfg is None else cfg
     if cfg.vocab_size != corpus.vocab_size:
@@ -98,6 +104,16 @@ def train(cfg: GPTConfig | None = None, *, steps: int = 300, batch: int = 32,
     eval_every = check_int("eval_every", eval_every, lo=1)
     if not isinstance(progress, bool):
         check_callable("progress", progress)
+    if threads is not None:
+        check_int("threads", threads, lo=1)
+    with contextlib.nullcontext() if threads is None else device_threads(threads):
+        return _train(cfg, corpus, steps, batch, seq, lr, device, dtype, eval_every, seed,
+                      autocast, progress)
+
+
+def _train(cfg, corpus, steps, batch, seq, lr, device, dtype, eval_every, seed, autocast,
+           progress) -> dict:
+    """The training loop of :func:`train`, its arguments already checked."""
     model = GPT(cfg, dtype=dtype, device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     warm = max(1, steps // 20)
