@@ -149,9 +149,9 @@ def calibrate(stack: ResidualStack, x0: torch.Tensor, *, cfactor: int, levels: i
     m, levels = _check_grid(stack.n_layers, cfactor, levels)
     repeat = check_int("repeat", repeat, lo=1)
     calls, counts = _unit_calls(stack, x0, m, levels)
-    cmp = compare({str(k): fn for k, fn in calls.items()}, warmup=1, repeat=repeat,
+    cmp = compare({_unit_name(k): fn for k, fn in calls.items()}, warmup=1, repeat=repeat,
                   device=x0.device, threads=threads)
-    return _unit_times(cmp, calls, counts, str)
+    return _unit_times(cmp, counts)
 
 
 def _unit_calls(stack: ResidualStack, x0: torch.Tensor, m: int,
@@ -184,9 +184,13 @@ def _unit_calls(stack: ResidualStack, x0: torch.Tensor, m: int,
     return calls, counts
 
 
-def _unit_times(cmp, calls: dict, counts: dict[int, int],
-                name: Callable[[int], str]) -> dict[int, float]:
-    return {k: cmp.timings[name(k)].median / counts[k] for k in calls}
+def _unit_name(k: int) -> str:
+    return f"t({k})"
+
+
+def _unit_times(cmp, counts: dict[int, int]) -> dict[int, float]:
+    """Seconds per call of k steps from a comparison that timed :func:`_unit_calls`."""
+    return {k: cmp.timings[_unit_name(k)].median / c for k, c in counts.items()}
 
 
 # --- bench ------------------------------------------------------------------------------
@@ -290,10 +294,10 @@ def bench(device: torch.device, quick: bool) -> list[Row]:
                        "mgrit": _no_grad(partial(mgrit_forward, stack, x0, cfactor=m,
                                                  levels=levels, iters=iters, relax=relax,
                                                  record=False)),
-                       **{f"t({k})": fn for k, fn in calls.items()}},
+                       **{_unit_name(k): fn for k, fn in calls.items()}},
                       baseline="serial", warmup=1, repeat=repeat, device=device,
                       threads=threads)
-        cal = _unit_times(cmp, calls, counts, lambda k: f"t({k})")
+        cal = _unit_times(cmp, counts)
         predicted = cost_model(N, m, levels, iters, relax=relax,
                                call_time=cal.__getitem__)["mgrit_seconds"]
         has_target = N >= 1024  # the issue's target is stated at N = 1024

@@ -33,6 +33,7 @@ from parlearn.serial_chain.multigrid.solver import (
     MGRITResult,
     _check_grid,
     _check_solver_args,
+    _serial_loop,
     mgrit,
 )
 from parlearn.serial_chain.multigrid.stack import (
@@ -100,12 +101,12 @@ class _ForwardSteps:
         return X + dt * self.batched_fn(X, w)
 
     def serial_solve(self, level: int, u: torch.Tensor, g: torch.Tensor) -> None:
-        """``u[0] = g[0]``, ``u[i+1] = Phi_i(u[i]) + g[i+1]``: the solver's serial sweep."""
-        u[0] = g[0]
+        """``u[0] = g[0]``, ``u[i+1] = Phi_i(u[i]) + g[i+1]``: the solver's serial sweep
+        (the solver's own loop of single-step calls unless the stack is dense_tanh)."""
         if not self.dense:
-            for i in range(u.shape[0] - 1):
-                u[i + 1] = self(level, slice(i, i + 1), u[i:i + 1])[0] + g[i + 1]
+            _serial_loop(self, u, g, level)
             return
+        u[0] = g[0]
         s = self.m**level
         key = ("serial", level)
         layers = self._views.get(key)

@@ -155,14 +155,19 @@ def _c_relax(step: StepFn, u, g, level: int, m: int, batched: bool) -> None:
     _sweep(step, u, g, level, m - 1, m, batched)  # each C-point from the F-point before it
 
 
+def _serial_loop(step: StepFn, u, g, level: int) -> None:
+    """``u[0] = g[0]``, ``u[i+1] = Phi_i(u[i]) + g[i+1]``: one call of ``step`` per step."""
+    u[0] = g[0]
+    for i in range(u.shape[0] - 1):
+        u[i + 1] = step(level, slice(i, i + 1), u[i:i + 1])[0] + g[i + 1]
+
+
 def _serial_solve(step: StepFn, u, g, level: int) -> None:
     fast = getattr(step, "serial_solve", None)  # a step function may bring its own loop
     if fast is not None:
         fast(level, u, g)
-        return
-    u[0] = g[0]
-    for i in range(u.shape[0] - 1):
-        u[i + 1] = step(level, slice(i, i + 1), u[i:i + 1])[0] + g[i + 1]
+    else:
+        _serial_loop(step, u, g, level)
 
 
 def _cycle(step: StepFn, u, g, level: int, levels: int, m: int, relax: str,
