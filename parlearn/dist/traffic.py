@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-__all__ = ["Record", "Ledger", "ledger"]
+__all__ = ["Record", "Ledger", "ledger", "replace_collective"]
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,16 @@ def _recording(kind: str, original: Callable) -> Callable:
     return wrapper
 
 
+def replace_collective(kind: str, old: Callable, new: Callable) -> None:
+    """Set ``new`` wherever ``torch.distributed`` exposes ``old`` under the name ``kind``:
+    the package and ``distributed_c10d`` (code calls either), leaving a module whose
+    attribute is something else (another wrapper) alone. Wrapping and restoring are the
+    same call with the arguments swapped."""
+    for mod in (tdist, tdist.distributed_c10d):
+        if getattr(mod, kind, None) is old:
+            setattr(mod, kind, new)
+
+
 @contextlib.contextmanager
 def ledger() -> Iterator[Ledger]:
     """Record every collective this process issues through ``torch.distributed``'s Python
@@ -147,10 +157,7 @@ def ledger() -> Iterator[Ledger]:
         for kind in _PAYLOAD:
             if hasattr(c10d, kind):
                 _originals[kind] = getattr(c10d, kind)
-                wrapped = _recording(kind, _originals[kind])
-                for mod in (tdist, c10d):
-                    if getattr(mod, kind, None) is _originals[kind]:
-                        setattr(mod, kind, wrapped)
+                replace_collective(kind, _originals[kind], _recording(kind, _originals[kind]))
     _active.append(led)
     try:
         yield led

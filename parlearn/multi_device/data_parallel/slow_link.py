@@ -28,6 +28,7 @@ import torch.distributed as tdist
 
 from parlearn.core.checks import check_callable, check_float, check_int
 from parlearn.dist import AlphaBeta, collective_time, ring_bytes
+from parlearn.dist.traffic import replace_collective
 
 __all__ = ["EMULATED_KINDS", "Charge", "EmulatedLink", "emulated_link", "emulated_bandwidths",
            "plot_check"]
@@ -140,19 +141,15 @@ def emulated_link(alpha: float, bandwidth: float, *,
     saved = []
     for kind in EMULATED_KINDS:
         original = getattr(tdist, kind)
-        wrapped = _slowed(kind, original, link)
-        for mod in (tdist, tdist.distributed_c10d):
-            if getattr(mod, kind, None) is original:
-                saved.append((mod, kind, original, wrapped))
-                setattr(mod, kind, wrapped)
+        saved.append((kind, original, _slowed(kind, original, link)))
+        replace_collective(kind, original, saved[-1][2])
     _active.append(link)
     try:
         yield link
     finally:
         _active.remove(link)
-        for mod, kind, original, wrapped in saved:
-            if getattr(mod, kind) is wrapped:
-                setattr(mod, kind, original)
+        for kind, original, wrapped in saved:
+            replace_collective(kind, wrapped, original)
 
 
 def emulated_bandwidths(numel: int, world_size: int, real: AlphaBeta, *, alpha: float,
