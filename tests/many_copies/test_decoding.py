@@ -250,11 +250,11 @@ def test_overlap_memory_at_real_vocabulary():
 
 @pytest.mark.parametrize("eta", [0.5, 0.3])  # 0.3: a damping that is not its own complement
 @pytest.mark.parametrize("per_row_tau", [False, True])
-@pytest.mark.parametrize("sweeps", ["numpy", "torch"])  # the CPU's loop and every other's
+@pytest.mark.parametrize("sweeps", ["jax", "torch"])  # the CPU's loop and every other's
 def test_mean_field_commit_equals_loop_reference(any_device, per_row_tau, eta, sweeps,
                                                  monkeypatch):
     if sweeps == "torch":
-        monkeypatch.setattr(D.mean_field, "_sweeps_numpy", D.mean_field._sweeps_torch)
+        monkeypatch.setattr(D.mean_field, "_sweeps_jax", D.mean_field._sweeps_torch)
     g = torch.Generator().manual_seed(1)
     B, L = 6, 11
     conf = torch.rand(B, L, generator=g, dtype=torch.float64).to(any_device)
@@ -270,6 +270,26 @@ def test_mean_field_commit_equals_loop_reference(any_device, per_row_tau, eta, s
     torch.testing.assert_close(q1, q2, atol=1e-12, rtol=0)
     assert torch.equal(c1, c2) and s1 == s2
     assert c1.any() and not c1.all()  # not a vacuous comparison
+
+
+@pytest.mark.parametrize("sweeps", ["jax", "torch"])
+@pytest.mark.parametrize("B,L", [(3, 3), (5, 6), (9, 17)])  # shapes the CPU kernel pads
+def test_uncoupled_fixed_point_is_reached_in_one_sweep(sweeps, B, L, monkeypatch):
+    # J = 0: q starts at sigmoid(beta h), which is the fixed point, so one sweep changes
+    # nothing and the loop stops. A padded row or rank that moved would keep it sweeping.
+    if sweeps == "torch":
+        monkeypatch.setattr(D.mean_field, "_sweeps_jax", D.mean_field._sweeps_torch)
+    g = torch.Generator().manual_seed(B)
+    conf = torch.rand(B, L, generator=g, dtype=torch.float64) * 0.8 + 0.1
+    masked = torch.rand(B, L, generator=g) < 0.6
+    masked[:, 0] = True
+    commit, q, n_sweeps, residual = D.mean_field_commit(
+        conf, torch.zeros(B, L, L, dtype=torch.float64), masked, tau=0.5, beta=3.0,
+        eta=0.3, tol=1e-12)
+    start = torch.sigmoid(3.0 * torch.logit(conf.clamp(1e-6, 1 - 1e-6))) * masked
+    assert n_sweeps == 1 and residual <= 1e-15
+    torch.testing.assert_close(q, start, atol=1e-15, rtol=0)
+    assert torch.equal(commit, (conf > 0.5) & masked)
 
 
 def test_one_sweep_by_hand():
