@@ -111,6 +111,43 @@ def test_compressed_all_reduce_time_adds_the_coding_it_does():
         pytest.approx(plain + 30 + 12)
 
 
+@pytest.mark.parametrize("world,numel", [(2, 10), (3, 10)])
+def test_path_coding_seconds_times_the_path_in_the_models_units(world, numel, monkeypatch):
+    # The two timed calls run the path's own local work (checked by spying on the
+    # functions compressed_all_reduce calls); their times are divided by the element
+    # counts compressed_all_reduce_time multiplies by: n (1 + 1/N) and 2 n, n padded.
+    from parlearn.core import timing
+
+    calls: list[tuple[str, tuple]] = []
+    for name in ("_padded", "_chunked_quantize", "_quantize_one", "_sum_received", "_decode"):
+        real = getattr(C, name)
+        def spy(*a, _real=real, _name=name, **k):
+            calls.append((_name, tuple(t.shape for t in a if isinstance(t, torch.Tensor))))
+            return _real(*a, **k)
+        monkeypatch.setattr(C, name, spy)
+
+    def fake_compare(fns, repeat, threads):
+        calls.clear()
+        for f in fns.values():
+            f()
+        times = {"encode": 6.0, "decode": 4.0}
+        return timing.Comparison({k: timing.Timing((times[k],), "cpu") for k in fns}, "encode")
+
+    monkeypatch.setattr(timing, "compare", fake_compare)
+    q, d = C.path_coding_seconds(numel, world, repeat=1)
+    n = world * -(-numel // world)
+    assert q == pytest.approx(6.0 / (n * (1 + 1 / world)))
+    assert d == pytest.approx(4.0 / (2 * n))
+    assert [c[0] for c in calls] == ["_padded", "_chunked_quantize", "_quantize_one",
+                                     "_sum_received", "_decode"]
+    assert calls[1][1] == ((n,),) and calls[2][1] == ((n // world,),)
+    assert calls[3][1][0] == (world, n // world) and calls[4][1][0] == (n,)
+    # the model then charges exactly the measured coding
+    free = dist.AlphaBeta(0.0, 0.0)
+    assert C.compressed_all_reduce_time(numel, world, free, quantize_s=q, dequantize_s=d) \
+        == pytest.approx(10.0)
+
+
 @pytest.mark.parametrize("world", [2, 8])
 def test_crossover_bandwidth_is_where_the_two_models_meet(world):
     numel, alpha, q, d = 3_000_000, 2e-5, 4e-9, 1e-9

@@ -36,7 +36,7 @@ __all__ = ["CODE_BITS", "code_table", "sorted_codes", "quantize", "dequantize",
            "quantize_linear_int8", "dequantize_linear_int8", "relative_error",
            "compressed_all_reduce", "compressed_all_reduce_reference", "ErrorFeedback",
            "dettmers8_hook", "Dettmers8HookState", "compressed_all_reduce_time",
-           "crossover_bandwidth", "modeled_step_ratio", "coding_seconds"]
+           "crossover_bandwidth", "modeled_step_ratio", "coding_seconds", "path_coding_seconds"]
 
 
 class ErrorFeedback:
@@ -95,9 +95,48 @@ def _dequantize_one(codes: torch.Tensor, scale: torch.Tensor, reference: bool
 
 
 def _padded(x: torch.Tensor, world: int) -> torch.Tensor:
-    flat = x.detach().reshape(-1).to(torch.float64)
-    m = -(-flat.numel() // world)
-    return torch.cat([flat, flat.new_zeros(world * m - flat.numel())])
+    """``x`` flat, as float64, zero-padded to a multiple of ``world``: one copy pass."""
+    numel = x.numel()
+    m = -(-numel // world)
+    flat = torch.empty(world * m, dtype=torch.float64, device=x.device)
+    flat[:numel].copy_(x.detach().reshape(-1))
+    flat[numel:].zero_()
+    return flat
+
+
+def _sum_received(codes: torch.Tensor, scales: torch.Tensor, average: bool,
+                  reference: bool) -> torch.Tensor:
+    """The owner's reduction: the ``world`` received chunks (``codes`` (world, m), float32
+    ``scales``) dequantized and added in rank order in float64 (from zeros, as the
+    reference adds them), divided by ``world`` if ``average``."""
+    world, m = codes.shape
+    mine = torch.zeros(m, dtype=torch.float64, device=codes.device)
+    if reference:
+        for i in range(world):
+            mine += dequantize_reference(codes[i], scales[i].double(), torch.float64)
+    else:   # one gather for all chunks, then the additions in rank order
+        chunks = _dequantize_rows(codes, scales.double(), torch.float64)
+        for i in range(world):
+            mine += chunks[i]
+    if average:
+        mine /= world
+    return mine
+
+
+def _decode(codes: torch.Tensor, scales: torch.Tensor, like: torch.Tensor,
+            reference: bool) -> torch.Tensor:
+    """The gathered chunks (``codes`` (world * m,), float32 ``scales`` (world,)) back into
+    ``like``'s dtype and shape. The fast path gathers from tables already rounded to that
+    dtype: the same float64 products, rounded once, as dequantizing to float64 and casting."""
+    world = scales.numel()
+    m = codes.numel() // world
+    if reference:
+        out = torch.cat([dequantize_reference(codes[j * m:(j + 1) * m], scales[j].double(),
+                                              torch.float64) for j in range(world)])
+        out = out.to(like.dtype)
+    else:
+        out = _dequantize_rows(codes.view(world, m), scales.double(), like.dtype).reshape(-1)
+    return out[:like.numel()].reshape(like.shape)
 
 
 def compressed_all_reduce(x: torch.Tensor, *, average: bool = True,
@@ -147,11 +186,7 @@ def compressed_all_reduce(x: torch.Tensor, *, average: bool = True,
     tdist.all_to_all_single(recv_codes, codes, group=group)
     tdist.all_to_all_single(recv_scales, scales.to(torch.float32), group=group)
 
-    mine = torch.zeros(m, dtype=torch.float64, device=x.device)
-    for i in range(world):              # in rank order, as the reference adds them
-        mine += _dequantize_one(recv_codes[i], recv_scales[i].double(), ref)
-    if average:
-        mine /= world
+    mine = _sum_received(recv_codes, recv_scales, average, ref)
     if error_feedback is not None:
         mine = mine + ErrorFeedback._get(error_feedback.owner, key, mine)
     my_codes, my_scale = _quantize_one(mine, ref)
@@ -162,14 +197,7 @@ def compressed_all_reduce(x: torch.Tensor, *, average: bool = True,
     all_scales = torch.empty(world, dtype=torch.float32, device=x.device)
     tdist.all_gather_single(all_codes, my_codes, group=group)
     tdist.all_gather_single(all_scales, my_scale.to(torch.float32).reshape(1), group=group)
-    if ref:
-        out = torch.cat([dequantize_reference(all_codes[j * m:(j + 1) * m],
-                                              all_scales[j].double(), torch.float64)
-                         for j in range(world)])
-    else:
-        out = _dequantize_rows(all_codes.view(world, m), all_scales.double(),
-                               torch.float64).reshape(-1)
-    return out[:x.numel()].reshape(x.shape).to(x.dtype)
+    return _decode(all_codes, all_scales, x, ref)
 
 
 def compressed_all_reduce_reference(xs: list[torch.Tensor], *, average: bool = True,
@@ -270,6 +298,48 @@ def compressed_all_reduce_time(numel: int, world_size: int, model, *,
     return coding + sum(collective_time(kind, b, world_size, model)
                         for kind in ("all_to_all_single", "all_gather_single")
                         for b in (n, 4 * world_size))
+
+
+def path_coding_seconds(numel: int, world_size: int = 2, *, repeat: int = 5, seed: int = 0,
+                        threads: int | None = 1) -> tuple[float, float]:
+    """Measured seconds per element ``(quantize_s, dequantize_s)`` of
+    :func:`compressed_all_reduce`'s own local work on one rank, as the path runs it, in
+    the units :func:`compressed_all_reduce_time` counts them: ``quantize_s`` is the
+    encoding (the float64 padded copy, the N chunks quantized, the owner's reduced chunk
+    quantized) over ``n (1 + 1/N)`` elements, ``dequantize_s`` the decoding (the N
+    received chunks dequantized and added, the gathered ``n`` decoded into float32) over
+    ``2 n``. So the modeled coding equals this path's measured coding by construction,
+    and a gap between a measured and a modeled step is communication (or load), not
+    coding the model leaves out. :func:`coding_seconds` times the coders alone: about
+    half of this, which is the cost of the padding, the float64 reduction and the casts.
+
+    Medians of ``repeat`` interleaved calls on ``numel`` standard normal float32 values,
+    with ``threads`` intra-op threads (default 1, as each gloo rank runs; None: the
+    current count; the caller's count is restored). The chunks "received" are this
+    rank's own (the same sizes and work as any other rank's)."""
+    from parlearn.core.timing import compare
+
+    numel = check_int("numel", numel, lo=1)
+    world = check_int("world_size", world_size, lo=1)
+    repeat = check_int("repeat", repeat, lo=1)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(check_int("seed", seed,
+                                                                              lo=0)))
+    flat = _padded(x, world)
+    n = flat.numel()
+    codes, scales, _ = _chunked_quantize(flat, world, back=False)
+    scales32 = scales.to(torch.float32)
+    mine = _sum_received(codes, scales32, True, False)
+
+    def encode():
+        _chunked_quantize(_padded(x, world), world, back=False)
+        _quantize_one(mine, False)
+
+    def decode():
+        _sum_received(codes, scales32, True, False)
+        _decode(codes.reshape(-1), scales32, x, False)
+
+    t = compare({"encode": encode, "decode": decode}, repeat=repeat, threads=threads).timings
+    return t["encode"].median / (n * (1 + 1 / world)), t["decode"].median / (2 * n)
 
 
 def crossover_bandwidth(numel: int, world_size: int, alpha: float, *,
