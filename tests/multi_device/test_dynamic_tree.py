@@ -38,6 +38,38 @@ def test_quantize_equals_reference_at_every_midpoint_and_its_neighbours(any_devi
     _same(y.to(any_device))
 
 
+def test_blocked_coding_equals_reference_across_many_blocks():
+    # The CPU coders work in blocks of T._BLOCK elements: the midpoints, ties and their
+    # neighbours, shuffled over several blocks (the last one partial), coded by quantize
+    # (explicit and absmax scales) and row by row as the all-reduce codes its chunks.
+    values, _ = T.sorted_codes()
+    mid = (values[1:] + values[:-1]) / 2
+    near = [mid] + [torch.nextafter(mid, torch.full_like(mid, d)) for d in (2.0, -2.0)]
+    base = torch.cat(near + [values])
+    reps = 3 * T._BLOCK // base.numel() + 1
+    gen = torch.Generator().manual_seed(3)
+    y = base.repeat(reps)[torch.randperm(base.numel() * reps, generator=gen)]
+    assert y.numel() > 3 * T._BLOCK and y.numel() % T._BLOCK
+    _same(y)                                                  # scale 1: ties stay ties
+    (fast, s), (ref, s_ref) = T.quantize(y * 4.0), T.quantize_reference(y * 4.0)
+    assert torch.equal(s, s_ref) and float(s) == 4.0 and torch.equal(fast, ref)
+    x32 = torch.randn(3 * T._BLOCK + 5, generator=gen) * torch.rand(1, generator=gen)
+    (fast, s), (ref, s_ref) = T.quantize(x32), T.quantize_reference(x32)  # float32 in
+    assert torch.equal(fast, ref) and torch.equal(s, s_ref)
+    rows = torch.stack([y, -2.0 * y.flip(0)])                 # scales 1 and 2: exact
+    codes, scales = T._quantize_rows(rows)
+    for r in range(2):
+        c, sc = T.quantize_reference(rows[r])
+        assert torch.equal(codes[r], c) and torch.equal(scales[r], sc)
+    # and back, every code in every block, for each output dtype
+    scales = torch.tensor([0.75, 3.0e-3], dtype=torch.float64)
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        back = T._dequantize_rows(codes, scales, dtype)
+        assert back.dtype == dtype and back.shape == codes.shape
+        for r in range(2):
+            assert torch.equal(back[r], T.dequantize_reference(codes[r], scales[r], dtype))
+
+
 def test_quantize_equals_reference_on_every_exponent_row():
     # Floats with every exponent that |y| <= 1 can have, random mantissas and signs:
     # every row of the lookup table that can be hit.

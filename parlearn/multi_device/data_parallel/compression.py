@@ -64,7 +64,7 @@ class ErrorFeedback:
 def _chunked_quantize(x: torch.Tensor, world: int, reference: bool = False, *,
                       back: bool = True) -> tuple[torch.Tensor, torch.Tensor,
                                                   torch.Tensor | None]:
-    """``x`` (float64, length world*m) as codes (world, m), scales (world,), dequantized
+    """``x`` (floating, length world*m) as codes (world, m), scales (world,), dequantized
     (None unless ``back``: only error feedback needs it); ``reference`` codes chunk by
     chunk with the serial reference coders."""
     rows = x.view(world, -1)
@@ -94,11 +94,16 @@ def _dequantize_one(codes: torch.Tensor, scale: torch.Tensor, reference: bool
     return (dequantize_reference if reference else dequantize)(codes, scale, torch.float64)
 
 
-def _padded(x: torch.Tensor, world: int) -> torch.Tensor:
-    """``x`` flat, as float64, zero-padded to a multiple of ``world``: one copy pass."""
+def _padded(x: torch.Tensor, world: int, dtype: torch.dtype | None = torch.float64
+            ) -> torch.Tensor:
+    """``x`` flat, as ``dtype`` (None: its own), zero-padded to a multiple of ``world``:
+    one copy pass, or none (a view) when nothing changes."""
     numel = x.numel()
     m = -(-numel // world)
-    flat = torch.empty(world * m, dtype=torch.float64, device=x.device)
+    dtype = x.dtype if dtype is None else dtype
+    if world * m == numel and dtype == x.dtype:
+        return x.detach().reshape(-1)
+    flat = torch.empty(world * m, dtype=dtype, device=x.device)
     flat[:numel].copy_(x.detach().reshape(-1))
     flat[numel:].zero_()
     return flat
@@ -170,7 +175,9 @@ def compressed_all_reduce(x: torch.Tensor, *, average: bool = True,
                         f"{type(error_feedback).__name__}")
     ref = reference_coding
     world = tdist.get_world_size(group)
-    flat = _padded(x, world)
+    # Coded from x's own dtype: the coders compute x / scale in float64 from it, exactly
+    # as from a float64 copy. Error feedback adds float64 residuals, so it needs the copy.
+    flat = _padded(x, world, None if error_feedback is None else torch.float64)
     m = flat.numel() // world
     if error_feedback is not None:
         flat = flat + ErrorFeedback._get(error_feedback.local, key, flat)
@@ -324,14 +331,14 @@ def path_coding_seconds(numel: int, world_size: int = 2, *, repeat: int = 5, see
     repeat = check_int("repeat", repeat, lo=1)
     x = torch.randn(numel, generator=torch.Generator().manual_seed(check_int("seed", seed,
                                                                               lo=0)))
-    flat = _padded(x, world)
+    flat = _padded(x, world, None)
     n = flat.numel()
     codes, scales, _ = _chunked_quantize(flat, world, back=False)
     scales32 = scales.to(torch.float32)
     mine = _sum_received(codes, scales32, True, False)
 
     def encode():
-        _chunked_quantize(_padded(x, world), world, back=False)
+        _chunked_quantize(_padded(x, world, None), world, back=False)
         _quantize_one(mine, False)
 
     def decode():
