@@ -56,7 +56,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     # Part 3: many copies at once
     "dither": ("parlearn.many_copies.dither.regimes",
                "P=64 noisy copies: one batched forward/backward vs a loop over copies"),
-    "qd": ("parlearn.many_copies.qd",
+    "qd": ("parlearn.many_copies.qd.throughput",
            "arm evaluations/s: vmap batch 4096 vs 1; MAP-Elites QD-score, batch 4096 vs 64"),
     "rl": ("parlearn.many_copies.rl.throughput",
            "cart-pole env-steps/s (policy + env): 4096 batched envs vs 1"),

@@ -103,6 +103,27 @@ def test_batch_64_and_4096_within_10_percent_at_equal_budget(runs):
     assert abs(runs[4096].coverage[-1] - runs[64].coverage[-1]) <= 0.10
 
 
+@pytest.mark.parametrize("batch_size", [1, 64, 5000])
+def test_padded_first_batch_equals_the_unpadded_one(batch_size):
+    # map_elites' first batch draws a padded block of genotypes (one program for all batch
+    # sizes) and masks the extra rows: the archive must be the one of batch_size rows alone.
+    from parlearn.many_copies.qd.search import _first_batch_pad, _first_batch_program
+
+    task, key = qd.arm_task(8), jax.random.key(4)
+    archive, m = _first_batch_program(task, 16, _first_batch_pad(batch_size))(key, batch_size)
+    x = jax.random.uniform(key, (batch_size, task.dim))
+    ref = qd.insert_loop(qd.empty_archive(task, 16), x, *qd.score_batch(task, x))
+    # The same cells filled by the same genotypes; fitness and hand position to round-off
+    # (XLA's vectorised cos/sin over 4096 rows may differ from 64 rows' in the last bit).
+    np.testing.assert_array_equal(np.isfinite(archive.fitness), np.isfinite(ref.fitness))
+    np.testing.assert_array_equal(np.asarray(archive.genotypes), np.asarray(ref.genotypes))
+    for got, want in zip(archive, ref, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(float(m["qd_score"]),
+                               float(qd.qd_metrics(ref, task.fitness_floor)["qd_score"]),
+                               rtol=1e-6)
+
+
 def test_seeded_and_callers_rng_untouched():
     task = qd.arm_task(4)
     np_state, torch_state = np.random.get_state(), torch.get_rng_state()  # noqa: NPY002

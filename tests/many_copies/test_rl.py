@@ -84,6 +84,40 @@ def test_batched_env_steps_equal_single_steps():
     _check_batch_equals_single(ENV)
 
 
+def test_step_loop_is_a_loop_of_single_steps_and_equals_batch_step():
+    env = rl.cartpole(max_steps=5)  # short episodes: the steps below cross resets
+    step = jax.jit(env.step)
+    keys = jax.random.split(jax.random.key(3), 6)
+    obs, state = jax.vmap(env.reset)(keys)
+    actions = np.array([0, 1, 1, 0, 1, 0], np.int32)
+    truncated = 0
+    for t in range(7):
+        keys = jax.random.split(jax.random.key(200 + t), 6)
+        looped = rl.step_loop(env, keys, state, actions)
+        batched = rl.batch_step(env, keys, state, actions)
+        for i in range(6):
+            one = step(keys[i], state[i], actions[i])
+            for a, b in zip(one, looped, strict=True):
+                np.testing.assert_array_equal(np.asarray(a), b[i])
+        for a, b in zip(looped, batched, strict=True):
+            np.testing.assert_allclose(a, np.asarray(b), rtol=1e-6, atol=1e-7)
+        truncated += int(looped[4].sum())
+        state = batched[1]
+    assert truncated > 0
+
+
+@pytest.mark.parametrize("n", [1, 7, 1024, 16385])
+def test_batch_reset_equals_unpadded_vmap_reset(n):
+    # batch_reset resets a padded batch and keeps the first n: the same copies as
+    # vmap(env.reset) over split(key, n), under JAX's default partitionable threefry.
+    key = jax.random.key(11)
+    obs, state = rl.batch_reset(ENV, key, n)
+    ref_obs, ref_state = jax.vmap(ENV.reset)(jax.random.split(key, n))
+    assert obs.shape == (n, ENV.obs_dim)
+    np.testing.assert_array_equal(np.asarray(obs), np.asarray(ref_obs))
+    np.testing.assert_array_equal(np.asarray(state), np.asarray(ref_state))
+
+
 def test_truncation_after_max_steps():
     env = rl.cartpole(max_steps=5)
     obs, state = env.reset(jax.random.key(0))
@@ -195,6 +229,7 @@ def test_ppo_trains_on_gymnax_env():
     (lambda: rl.env_steps_per_second(ENV, [1], mode="fast"), ValueError, "mode"),
     (lambda: rl.env_steps_per_second(ENV, []), ValueError, "num_envs"),
     (lambda: rl.gymnax_env(3), TypeError, "name"),
+    (lambda: rl.batch_reset(ENV, jax.random.key(0), 0), ValueError, "n"),
 ])
 def test_bad_calls_fail_fast(call, exc, match):
     with pytest.raises(exc, match=match):

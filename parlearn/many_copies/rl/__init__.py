@@ -7,7 +7,9 @@
 module             what it holds
 =================  =======================================================================
 ``envs``           :class:`Env`, a cart-pole written out in JAX, any gymnax environment
-                   behind the same interface, and :func:`batch_step` (``jax.vmap``)
+                   behind the same interface, and :func:`batch_step`,
+                   :func:`batch_reset` (``jax.vmap``, jitted); :func:`step_loop`, the
+                   serial reference (one copy per call)
 ``advantages``     GAE with time-outs bootstrapped: the serial reference
                    :func:`gae_loop` and :func:`gae`, a reverse ``lax.scan``
 ``policy``         actor and critic MLPs as plain arrays, and Adam written out
@@ -21,7 +23,14 @@ Everything is re-exported here.
 """
 
 from parlearn.many_copies.rl.advantages import gae, gae_loop
-from parlearn.many_copies.rl.envs import Env, batch_step, cartpole, gymnax_env
+from parlearn.many_copies.rl.envs import (
+    Env,
+    batch_reset,
+    batch_step,
+    cartpole,
+    gymnax_env,
+    step_loop,
+)
 from parlearn.many_copies.rl.policy import init_policy, policy_logits_value
 from parlearn.many_copies.rl.ppo import (
     PPOConfig,
@@ -34,6 +43,6 @@ from parlearn.many_copies.rl.ppo import (
 )
 from parlearn.many_copies.rl.throughput import bench, env_steps_per_second
 
-__all__ = ["Env", "cartpole", "gymnax_env", "batch_step", "gae", "gae_loop", "init_policy",
-           "policy_logits_value", "PPOConfig", "PPOResult", "train_ppo", "evaluate",
-           "time_to_target", "env_steps_per_second", "bench"]
+__all__ = ["Env", "cartpole", "gymnax_env", "batch_step", "step_loop", "batch_reset", "gae",
+           "gae_loop", "init_policy", "policy_logits_value", "PPOConfig", "PPOResult",
+           "train_ppo", "evaluate", "time_to_target", "env_steps_per_second", "bench"]

@@ -10,6 +10,8 @@ JAX is imported inside :func:`gae`, so ``import parlearn.rl`` does not start it.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 __all__ = ["gae", "gae_loop"]
@@ -48,7 +50,23 @@ def gae_loop(rewards, values, next_values, terminated, truncated, final_values,
 
 def gae(rewards, values, next_values, terminated, truncated, final_values,
         gamma: float, lam: float):
-    """GAE for all copies at once (a reverse ``lax.scan`` over time); equals :func:`gae_loop`."""
+    """GAE for all copies at once (a reverse ``lax.scan`` over time); equals :func:`gae_loop`.
+
+    One jitted program per shape (``gamma`` and ``lam`` are traced, so other values reuse
+    it); inside another jitted function it is inlined.
+    """
+    return _gae_jit()(rewards, values, next_values, terminated, truncated, final_values,
+                      gamma, lam)
+
+
+@functools.cache
+def _gae_jit():
+    import jax
+
+    return jax.jit(_gae)
+
+
+def _gae(rewards, values, next_values, terminated, truncated, final_values, gamma, lam):
     import jax
     import jax.numpy as jnp
 

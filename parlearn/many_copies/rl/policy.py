@@ -5,6 +5,8 @@ JAX is imported inside the functions, so ``import parlearn.rl`` does not start i
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 __all__ = ["init_policy", "policy_logits_value"]
@@ -13,7 +15,22 @@ __all__ = ["init_policy", "policy_logits_value"]
 # --- the policy: two small MLPs, and Adam, written out -------------------------------------
 
 def init_policy(key, obs_dim: int, n_actions: int, hidden: int = 64) -> dict:
-    """Actor and critic MLPs (``obs -> hidden -> hidden -> out``, tanh), scaled-normal init."""
+    """Actor and critic MLPs (``obs -> hidden -> hidden -> out``, tanh), scaled-normal init.
+
+    One jitted program per (obs_dim, n_actions, hidden): eagerly, each layer's random
+    draw compiles a program of its own (about half a second each on a CPU).
+    """
+    return _init_jit()(key, int(obs_dim), int(n_actions), int(hidden))
+
+
+@functools.cache
+def _init_jit():
+    import jax
+
+    return jax.jit(_init_policy, static_argnums=(1, 2, 3))
+
+
+def _init_policy(key, obs_dim: int, n_actions: int, hidden: int) -> dict:
     import jax
     import jax.numpy as jnp
 

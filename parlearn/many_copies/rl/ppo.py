@@ -26,7 +26,7 @@ import numpy as np
 
 from parlearn.core.checks import check_float, check_int
 from parlearn.many_copies.rl.advantages import gae
-from parlearn.many_copies.rl.envs import Env, batch_step
+from parlearn.many_copies.rl.envs import Env, batch_reset, batch_step
 from parlearn.many_copies.rl.policy import _adam, init_policy, policy_logits_value
 
 __all__ = ["PPOConfig", "PPOResult", "train_ppo", "evaluate", "time_to_target"]
@@ -182,7 +182,7 @@ def _init_carry(env: Env, cfg: PPOConfig, seed: int) -> dict:
 
     k_params, k_env, k_run = jax.random.split(jax.random.key(seed), 3)
     params = init_policy(k_params, env.obs_dim, env.n_actions, cfg.hidden)
-    obs, state = jax.vmap(env.reset)(jax.random.split(k_env, cfg.num_envs))
+    obs, state = batch_reset(env, k_env, cfg.num_envs)
     zeros = jax.tree.map(jnp.zeros_like, params)
     return {"params": params, "opt": {"m": zeros, "v": zeros, "count": jnp.zeros(())},
             "obs": obs, "state": state, "ep_ret": jnp.zeros(cfg.num_envs), "key": k_run}

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from parlearn.core.checks import check_choice, check_int
-from parlearn.many_copies.rl.envs import Env, batch_step, cartpole
+from parlearn.many_copies.rl.envs import Env, batch_reset, batch_step, cartpole
 from parlearn.many_copies.rl.policy import init_policy, policy_logits_value
 
 __all__ = ["env_steps_per_second", "bench"]
@@ -69,7 +69,7 @@ def _rollout(env: Env, n: int, steps: int, mode: str, seed: int) -> Callable[[],
             return (obs, state), None
         return jax.lax.scan(step, (obs, state), jax.random.split(key, steps))[0]
 
-    obs, state = jax.vmap(env.reset)(jax.random.split(jax.random.key(seed), n))
+    obs, state = batch_reset(env, jax.random.key(seed), n)
     key = jax.random.key(seed + 1)
     fn = jax.jit(rollout).lower(obs, state, key).compile()
     return lambda: jax.block_until_ready(fn(obs, state, key))

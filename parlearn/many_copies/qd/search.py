@@ -1,26 +1,7 @@
-"""MAP-Elites from scratch in JAX: thousands of evaluations at once on one device.
+"""MAP-Elites from scratch in JAX: tasks, the grid archive, scoring, insertion, variation and
+the search loop, each parallel piece beside its serial reference (see :mod:`parlearn.qd`).
 
-Quality-diversity (QD) search keeps an *archive*: a grid over a descriptor space (for the
-planar arm, where the hand ends up), holding in each cell the best solution ever seen
-whose descriptor falls there. MAP-Elites (Mouret & Clune 2015) repeats one step:
-
-1. **select** parents uniformly from the filled cells;
-2. **vary** them with the iso+line operator (Vassiliades & Mouret 2018)
-   ``x' = x1 + sigma_iso * N(0, I) + sigma_line * N(0, 1) * (x2 - x1)``;
-3. **score** every child (here one ``jax.vmap`` call over the whole batch);
-4. **insert**: each child goes to its cell if it beats the cell's elite, so a cell's
-   fitness never goes down.
-
-QDax (Lim et al. 2022, arXiv 2202.01258) runs step 3 for thousands of children at once on
-one accelerator and reports that, at an equal number of evaluations, the batch size barely
-changes the QD-score. This module measures both claims on the tasks it ships
-(:func:`arm_task`, :func:`rastrigin_task`).
-
-Serial references sit beside the parallel pieces: :func:`score_loop` (a Python loop over
-the children) beside :func:`score_batch` (vmap), and :func:`insert_loop` (one child at a
-time, in order) beside :func:`insert` (a scatter over the whole batch). They agree exactly.
-
-JAX is imported inside the functions, so ``import parlearn.qd`` does not start it.
+JAX is imported inside the functions, so importing this module does not start it.
 """
 
 from __future__ import annotations
@@ -33,12 +14,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from parlearn.core.checks import check_choice, check_float, check_int
+from parlearn.core.checks import check_float, check_int
 
 __all__ = ["Task", "arm_task", "rastrigin_task", "Archive", "empty_archive", "cell_index",
            "score_batch", "score_loop", "insert", "insert_loop", "isoline_variation",
-           "qd_metrics", "MapElitesResult", "map_elites", "qdax_map_elites",
-           "evals_per_second", "bench"]
+           "qd_metrics", "MapElitesResult", "map_elites"]
 
 
 # --- tasks ---------------------------------------------------------------------------------
@@ -144,8 +124,11 @@ def score_loop(task: Task, genotypes) -> tuple[Any, Any]:
     import jax.numpy as jnp
 
     single = _jit_score(task)
-    out = [single(x) for x in genotypes]
-    return jnp.stack([f for f, _ in out]), jnp.stack([d for _, d in out])
+    # Rows as NumPy and results stacked by NumPy: iterating over or stacking JAX arrays
+    # eagerly compiles a small program per shape (seconds in all), for no gain here.
+    out = [single(x) for x in np.asarray(genotypes)]
+    return (jnp.asarray(np.stack([np.asarray(f) for f, _ in out])),
+            jnp.asarray(np.stack([np.asarray(d) for _, d in out])))
 
 
 @functools.lru_cache(maxsize=16)
@@ -156,10 +139,16 @@ def _jit_score(task: Task) -> Callable:
 
 
 def score_batch(task: Task, genotypes) -> tuple[Any, Any]:
-    """Score the whole batch in one call: ``jax.vmap(task.score)``."""
+    """Score the whole batch in one call: ``jax.jit(jax.vmap(task.score))`` (compiled once
+    per task and batch shape; inside another jitted function it is inlined)."""
+    return _jit_batch(task)(genotypes)
+
+
+@functools.lru_cache(maxsize=16)
+def _jit_batch(task: Task) -> Callable:
     import jax
 
-    return jax.vmap(task.score)(genotypes)
+    return jax.jit(jax.vmap(task.score))
 
 
 # --- insertion: serial reference and one scatter ------------------------------------------
@@ -171,19 +160,37 @@ def insert_loop(archive: Archive, genotypes, fitness, descriptors) -> Archive:
     fit = np.array(archive.fitness)
     gen = np.array(archive.genotypes)
     desc = np.array(archive.descriptors)
-    cells = np.asarray(cell_index(descriptors, archive.cells_per_dim))
+    cells = np.asarray(_jit_cell_index(descriptors, archive.cells_per_dim))
+    fitness, genotypes, descriptors = (np.asarray(a) for a in (fitness, genotypes, descriptors))
     for i, c in enumerate(cells):
         if fitness[i] > fit[c]:
             fit[c], gen[c], desc[c] = fitness[i], genotypes[i], descriptors[i]
     return Archive(jnp.asarray(fit), jnp.asarray(gen), jnp.asarray(desc))
 
 
+def _jit_cell_index(descriptors, cells_per_dim: int):
+    """:func:`cell_index` as one compiled program (eagerly it compiles one per operation)."""
+    return _jitted()["cell_index"](descriptors, cells_per_dim)
+
+
+@functools.cache
+def _jitted() -> dict[str, Callable]:
+    import jax
+
+    return {"cell_index": jax.jit(cell_index, static_argnums=1), "insert": jax.jit(_insert)}
+
+
 def insert(archive: Archive, genotypes, fitness, descriptors) -> Archive:
     """Insert a whole batch at once; equal to :func:`insert_loop`.
 
     Per cell, the batch's best child (the first one on ties, as in the loop) replaces the
-    elite if strictly better. A cell's fitness can therefore never go down.
+    elite if strictly better. A cell's fitness can therefore never go down. One jitted
+    program per shape (inlined when called inside another jitted function).
     """
+    return _jitted()["insert"](archive, genotypes, fitness, descriptors)
+
+
+def _insert(archive: Archive, genotypes, fitness, descriptors) -> Archive:
     import jax
     import jax.numpy as jnp
 
@@ -287,9 +294,10 @@ def map_elites(task: Task, *, batch_size: int, budget: int, cells_per_dim: int =
     steps = _check_run(task, batch_size, budget, cells_per_dim, iso_sigma, line_sigma, seed,
                        records)
     key_init, key_run = jax.random.split(jax.random.key(seed))
-    first_batch, run_steps = _map_elites_programs(task, batch_size, cells_per_dim,
-                                                  float(iso_sigma), float(line_sigma))
-    archive, m = first_batch(key_init)
+    run_steps = _map_elites_programs(task, batch_size, cells_per_dim, float(iso_sigma),
+                                     float(line_sigma))
+    archive, m = _first_batch_program(task, cells_per_dim, _first_batch_pad(batch_size))(
+        key_init, batch_size)
     # Compile before the clock starts (one program for every chunk: the loop bounds are
     # traced; a call with no steps compiles it, or finds it in jit's cache): compile time
     # is reported apart, never mixed into the throughput.
@@ -311,7 +319,7 @@ def map_elites(task: Task, *, batch_size: int, budget: int, cells_per_dim: int =
 
 @functools.lru_cache(maxsize=16)
 def _map_elites_programs(task, batch_size, cells_per_dim, iso_sigma, line_sigma):
-    """The two jitted programs of a run, kept so that a rerun (another seed) skips compiling."""
+    """The jitted MAP-Elites steps of a run, kept so that a rerun (another seed) skips compiling."""
     import jax
 
     def step(i, carry):
@@ -327,172 +335,32 @@ def _map_elites_programs(task, batch_size, cells_per_dim, iso_sigma, line_sigma)
         archive, _ = jax.lax.fori_loop(start, stop, step, (archive, key))
         return archive, qd_metrics(archive, task.fitness_floor)
 
-    def first_batch(key):
-        x = jax.random.uniform(key, (batch_size, task.dim))
-        fitness, desc = score_batch(task, x)
-        archive = insert(empty_archive(task, cells_per_dim), x, fitness, desc)
-        return archive, qd_metrics(archive, task.fitness_floor)
-
-    return jax.jit(first_batch), jax.jit(run_steps)
+    return jax.jit(run_steps)
 
 
-def qdax_map_elites(task: Task, *, batch_size: int, budget: int, cells_per_dim: int = 32,
-                    iso_sigma: float = 0.005, line_sigma: float = 0.05, seed: int = 0,
-                    records: int = 20) -> MapElitesResult:
-    """The same run with the ``qdax`` package's MAP-Elites (needs the ``[massive]`` extra).
+def _first_batch_pad(batch_size: int) -> int:
+    """Rows the first-batch program draws: at least 4096, so one program serves them all."""
+    return max(4096, 1 << (batch_size - 1).bit_length())
 
-    Same task, grid, operator and budget as :func:`map_elites`; its QD-score is computed
-    with this module's :func:`qd_metrics`, so the two are directly comparable.
+
+@functools.lru_cache(maxsize=16)
+def _first_batch_program(task, cells_per_dim, pad):
+    """``first_batch(key, n)``: ``n`` uniform genotypes inserted into an empty archive.
+
+    It draws ``pad`` rows and gives rows ``n`` onwards fitness -inf, which never enters a
+    cell (insertion needs a strictly better fitness than an empty cell's -inf), so one
+    compiled program serves every ``n <= pad``. With JAX's default partitionable threefry
+    the first ``n`` rows of ``uniform(key, (pad, dim))`` are ``uniform(key, (n, dim))``, so
+    the archive equals the unpadded one (the tests check it).
     """
-    steps = _check_run(task, batch_size, budget, cells_per_dim, iso_sigma, line_sigma, seed,
-                       records)
-    try:
-        from qdax.core.containers.mapelites_repertoire import compute_euclidean_centroids
-        from qdax.core.emitters.mutation_operators import isoline_variation as qdax_isoline
-        from qdax.core.emitters.standard_emitters import MixingEmitter
-        from qdax.core.map_elites import MAPElites
-    except ImportError as err:
-        raise ImportError("qdax_map_elites needs qdax: pip install 'parlearn[massive]'") from err
     import jax
     import jax.numpy as jnp
 
-    def scoring(genotypes, key):
-        fitness, desc = score_batch(task, genotypes)
-        return fitness, desc, {}
+    def first_batch(key, n):
+        x = jax.random.uniform(key, (pad, task.dim))
+        fitness, desc = score_batch(task, x)
+        fitness = jnp.where(jnp.arange(pad) < n, fitness, -jnp.inf)
+        archive = insert(empty_archive(task, cells_per_dim), x, fitness, desc)
+        return archive, qd_metrics(archive, task.fitness_floor)
 
-    def metrics(repertoire):
-        return qd_metrics(Archive(repertoire.fitnesses.reshape(-1), repertoire.genotypes,
-                                  repertoire.descriptors), task.fitness_floor)
-
-    variation = functools.partial(qdax_isoline, iso_sigma=iso_sigma, line_sigma=line_sigma,
-                                  minval=0.0, maxval=1.0)
-    emitter = MixingEmitter(mutation_fn=None, variation_fn=variation, variation_percentage=1.0,
-                            batch_size=batch_size)
-    algo = MAPElites(scoring_function=scoring, emitter=emitter, metrics_function=metrics)
-    centroids = compute_euclidean_centroids((cells_per_dim,) * task.n_desc, 0.0, 1.0)
-    key = jax.random.key(seed)
-    key, k_init, k_algo = jax.random.split(key, 3)
-    x0 = jax.random.uniform(k_init, (batch_size, task.dim))
-    repertoire, emitter_state, _ = algo.init(x0, centroids, k_algo)
-
-    def run_steps(repertoire, emitter_state, key, n):
-        def body(_, carry):
-            rep, es, k = carry
-            k, sub = jax.random.split(k)
-            rep, es, _ = algo.update(rep, es, sub)
-            return rep, es, k
-        repertoire, emitter_state, key = jax.lax.fori_loop(
-            0, n, body, (repertoire, emitter_state, key))
-        return repertoire, emitter_state, key, metrics(repertoire)
-
-    t0 = time.perf_counter()
-    compiled = jax.jit(run_steps).lower(repertoire, emitter_state, key, 1).compile()
-    compile_s = time.perf_counter() - t0
-    bounds = np.linspace(0, steps, min(records, steps) + 1).round().astype(int)
-    m = metrics(repertoire)
-    evals, qd, cov, wall = [batch_size], [float(m["qd_score"])], [float(m["coverage"])], [0.0]
-    t0 = time.perf_counter()
-    for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
-        repertoire, emitter_state, key, m = compiled(repertoire, emitter_state, key,
-                                                     int(stop - start))
-        qd.append(float(m["qd_score"]))
-        wall.append(time.perf_counter() - t0)
-        cov.append(float(m["coverage"]))
-        evals.append(batch_size * (1 + int(stop)))
-    archive = Archive(jnp.asarray(repertoire.fitnesses).reshape(-1), repertoire.genotypes,
-                      repertoire.descriptors)
-    return MapElitesResult(archive, np.array(evals), np.array(qd), np.array(cov),
-                           np.array(wall), compile_s, batch_size, str(jax.devices()[0]),
-                           engine="qdax")
-
-
-# --- throughput: the vmap curve -----------------------------------------------------------
-
-def evals_per_second(task: Task, batch_sizes, *, repeat: int = 5, seed: int = 0,
-                     mode: str = "vmap") -> dict:
-    """Measured evaluations per second of scoring a batch, for each batch size.
-
-    ``mode="vmap"``: one jitted ``vmap`` call per batch; ``mode="loop"``: a jitted single
-    evaluation called once per genotype from Python (what a serial user writes).
-    Compile time is excluded and reported (``compile_s``). Returns ``{"batch_sizes",
-    "evals_per_s", "spread", "compile_s", "device", "mode"}``.
-    """
-    import jax
-
-    from parlearn.core.timing import measure
-
-    mode = check_choice("mode", mode, ("vmap", "loop"))
-    check_int("repeat", repeat, lo=1)
-    sizes = [check_int("batch_sizes[i]", b, lo=1) for b in batch_sizes]
-    if not sizes:
-        raise ValueError("batch_sizes must hold at least one batch size")
-    batched = jax.jit(lambda x: score_batch(task, x))
-    single = jax.jit(task.score)
-    out: dict = {"batch_sizes": sizes, "evals_per_s": [], "spread": [], "compile_s": [],
-                 "device": str(jax.devices()[0]), "mode": mode}
-    for i, b in enumerate(sizes):
-        x = jax.random.uniform(jax.random.key(seed + i), (b, task.dim))
-        t0 = time.perf_counter()
-        if mode == "vmap":
-            fn = batched.lower(x).compile()
-            call = lambda fn=fn, x=x: jax.block_until_ready(fn(x))  # noqa: E731
-        else:
-            fn = single.lower(x[0]).compile()
-            rows = list(x)
-            call = lambda fn=fn, rows=rows: jax.block_until_ready([fn(r) for r in rows])  # noqa: E731
-        out["compile_s"].append(time.perf_counter() - t0)
-        t = measure(call, warmup=1, repeat=repeat)
-        out["evals_per_s"].append(b / t.median)
-        out["spread"].append(t.spread)
-    return out
-
-
-def _bench_rows(quick: bool) -> list:
-    """Arm scoring of ``big`` genotypes: one vmap call vs a Python loop of jitted single
-    evaluations (timed interleaved); MAP-Elites QD-score at batch 64 vs 4096, same budget.
-
-    Runs in a fresh interpreter through :func:`bench`.
-    """
-    import jax
-
-    from parlearn.core.bench import Row
-    from parlearn.core.timing import compare
-
-    task, big = arm_task(8), (1024 if quick else 4096)
-    x = jax.random.uniform(jax.random.key(0), (big, task.dim))
-    rows_x = list(x)
-    t0 = time.perf_counter()
-    single = jax.jit(task.score).lower(x[0]).compile()
-    batched = jax.jit(lambda x: score_batch(task, x)).lower(x).compile()
-    compile_s = time.perf_counter() - t0
-    cmp = compare({"loop": lambda: jax.block_until_ready([single(r) for r in rows_x]),
-                   "vmap": lambda: jax.block_until_ready(batched(x))},
-                  repeat=3 if quick else 7)
-    lo, hi = cmp.speedup_range("vmap")
-    dev = str(jax.devices()[0])
-    rows = [Row("qd", f"arm scoring, loop of {big} jit calls", f"one vmap call of {big}",
-                cmp.speedup("vmap"), dev,
-                detail=(f"{big / cmp.timings['loop'].median:.3g} vs "
-                        f"{big / cmp.timings['vmap'].median:.3g} evals/s; IQR {lo:.1f}-{hi:.1f}x; "
-                        f"compile {compile_s:.2f} s excluded"
-                        + ("" if cmp.reliable else "; UNRELIABLE: busy cores")))]
-    budget = 4096 * (12 if quick else 100)
-    small = map_elites(task, batch_size=64, budget=budget, seed=0)
-    large = map_elites(task, batch_size=4096, budget=budget, seed=0)
-    rel = large.qd_score[-1] / small.qd_score[-1]
-    rows.append(Row("qd", "MAP-Elites batch 64", "batch 4096, same budget", float(rel), dev,
-                    target="QD-score ratio within 10% (QDax)", met=bool(abs(rel - 1) <= 0.10),
-                    detail=(f"ratio of QD-scores, not times; {budget} evaluations: "
-                            f"{small.qd_score[-1]:.1f} vs {large.qd_score[-1]:.1f}; "
-                            f"wall {small.wall_s[-1]:.2f} s vs {large.wall_s[-1]:.2f} s "
-                            "(compile excluded)")))
-    return rows
-
-
-def bench(device, quick: bool) -> list:
-    """The rows of :func:`_bench_rows`, measured in a fresh Python process (JAX must not
-    start in the process that forks gloo ranks for other entries), on JAX's default
-    device; ``device`` names the torch device of the other benches and is not used."""
-    from parlearn.core.bench import rows_in_fresh_process
-
-    return rows_in_fresh_process(__name__, quick)
+    return jax.jit(first_batch)
