@@ -312,13 +312,14 @@ def path_coding_seconds(numel: int, world_size: int = 2, *, repeat: int = 5, see
     """Measured seconds per element ``(quantize_s, dequantize_s)`` of
     :func:`compressed_all_reduce`'s own local work on one rank, as the path runs it, in
     the units :func:`compressed_all_reduce_time` counts them: ``quantize_s`` is the
-    encoding (the float64 padded copy, the N chunks quantized, the owner's reduced chunk
+    encoding (the padded copy if any, the N chunks quantized, the owner's reduced chunk
     quantized) over ``n (1 + 1/N)`` elements, ``dequantize_s`` the decoding (the N
-    received chunks dequantized and added, the gathered ``n`` decoded into float32) over
-    ``2 n``. So the modeled coding equals this path's measured coding by construction,
-    and a gap between a measured and a modeled step is communication (or load), not
-    coding the model leaves out. :func:`coding_seconds` times the coders alone: about
-    half of this, which is the cost of the padding, the float64 reduction and the casts.
+    received chunks dequantized and added in float64, the gathered ``n`` decoded into
+    float32) over ``2 n``. So the modeled coding is this path's local work measured
+    alone; :func:`coding_seconds` times the coders alone. Inside a DP step the same
+    calls ran 1.2-1.5x slower than timed alone (measured per phase on 2 quiet gloo ranks,
+    also with inputs cycled out of cache), which is most of the gap between the measured
+    and the modeled 8-bit step.
 
     Medians of ``repeat`` interleaved calls on ``numel`` standard normal float32 values,
     with ``threads`` intra-op threads (default 1, as each gloo rank runs; None: the
