@@ -125,6 +125,22 @@ def format_family_table(rows: list[dict]) -> str:
 
 
 def bench(device: torch.device, quick: bool) -> list[Row]:
+    """The decoding rows (:func:`_bench_on`). On the CPU mean field's sweeps are a JAX
+    program, and JAX must not start in the process that forks gloo ranks for other
+    entries: there they are measured in a fresh Python process."""
+    from parlearn.core.bench import rows_in_fresh_process
+
+    if torch.device(device).type == "cpu":
+        return rows_in_fresh_process(__name__, quick)
+    return _bench_on(torch.device(device), quick)
+
+
+def _bench_rows(quick: bool) -> list[Row]:
+    """:func:`_bench_on` the CPU (what :func:`bench` runs in a fresh process)."""
+    return _bench_on(torch.device("cpu"), quick)
+
+
+def _bench_on(device: torch.device, quick: bool) -> list[Row]:
     from parlearn.many_copies.diffusion import PairedPhrase, train_mdlm
 
     lang = PairedPhrase(slots=8, m=4)
