@@ -443,6 +443,7 @@ def bench(device: torch.device, quick: bool) -> list:
     :func:`backward_flops` gives (equal to what ``torch.utils.flop_counter`` counts, which
     the tests check)."""
     from parlearn.core.bench import Row
+    from parlearn.core.timing import UNRELIABLE
 
     width, b, frac = (512 if quick else 1024), 128, 0.75
     widths = [width] * 4 + [10]
@@ -455,6 +456,6 @@ def bench(device: torch.device, quick: bool) -> list:
                 detail=f"MLP {widths}, batch {b}, float32, {cmp.threads} thread(s): full "
                        f"{t['full'].median * 1e3:.2f} ms, masked {t['masked'].median * 1e3:.2f}"
                        f" ms (ratio IQR {lo:.2f}-{hi:.2f}"
-                       f"{'' if cmp.reliable else '; UNRELIABLE: busy machine'}); the input "
+                       f"{'' if cmp.reliable else '; WARNING: ' + UNRELIABLE}); the input "
                        f"gradients of frozen layers are still needed below, so the saving is "
                        f"at most the weight-gradient half")]

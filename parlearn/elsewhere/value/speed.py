@@ -74,6 +74,7 @@ def ebu_speed(episodes, length: int = 100, *, repeat: int = 5, seed: int = 0,
 def bench(device: torch.device, quick: bool) -> list:
     """EBU targets for B episodes of cart-pole-like lengths: batched vs a loop (CPU)."""
     from parlearn.core.bench import Row
+    from parlearn.core.timing import UNRELIABLE
 
     B, length = (32, 100) if quick else (128, 200)
     r = ebu_speed([B], length, repeat=3 if quick else 9)
@@ -85,4 +86,4 @@ def bench(device: torch.device, quick: bool) -> list:
                         f"{r['modeled'][0]:.1f}x (per-step overhead bound); "
                         f"{r['median_s']['batched'][0] * 1e3:.1f} ms vs "
                         f"{r['median_s']['loop over episodes'][0] * 1e3:.1f} ms"
-                        + ("" if r["reliable"] else "; UNRELIABLE: busy cores")))]
+                        + ("" if r["reliable"] else f"; WARNING: {UNRELIABLE}")))]

@@ -68,7 +68,7 @@ def _bench_rows(quick: bool) -> list:
     import jax
 
     from parlearn.core.bench import Row
-    from parlearn.core.timing import compare
+    from parlearn.core.timing import UNRELIABLE, compare
 
     task, big = arm_task(8), (1024 if quick else 4096)
     x = jax.random.uniform(jax.random.key(0), (big, task.dim))
@@ -87,7 +87,7 @@ def _bench_rows(quick: bool) -> list:
                 detail=(f"{big / cmp.timings['loop'].median:.3g} vs "
                         f"{big / cmp.timings['vmap'].median:.3g} evals/s; IQR {lo:.1f}-{hi:.1f}x; "
                         f"compile {compile_s:.2f} s excluded"
-                        + ("" if cmp.reliable else "; UNRELIABLE: busy cores")))]
+                        + ("" if cmp.reliable else f"; WARNING: {UNRELIABLE}")))]
     budget = 4096 * (12 if quick else 100)
     small = map_elites(task, batch_size=64, budget=budget, seed=0)
     large = map_elites(task, batch_size=4096, budget=budget, seed=0)

@@ -84,7 +84,7 @@ def _bench_rows(quick: bool) -> list:
     import jax
 
     from parlearn.core.bench import Row
-    from parlearn.core.timing import compare
+    from parlearn.core.timing import UNRELIABLE, compare
 
     env, big, steps = cartpole(), (1024 if quick else 4096), 32
     t0 = time.perf_counter()
@@ -100,7 +100,7 @@ def _bench_rows(quick: bool) -> list:
                 detail=(f"{work / cmp.timings['1 env'].median:.3g} vs "
                         f"{work / cmp.timings[f'{big} envs'].median:.3g} env-steps/s with policy "
                         f"inference; IQR {lo:.1f}-{hi:.1f}x; compile {compile_s:.2f} s excluded"
-                        + ("" if cmp.reliable else "; UNRELIABLE: busy cores")))]
+                        + ("" if cmp.reliable else f"; WARNING: {UNRELIABLE}")))]
 
 
 def bench(device, quick: bool) -> list:

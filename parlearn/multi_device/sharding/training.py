@@ -275,6 +275,7 @@ def bench(device: torch.device, quick: bool) -> list:
     Step-time ratios are plain DP time / stage time, measured interleaved on each rank.
     """
     from parlearn.core.bench import Row
+    from parlearn.core.timing import UNRELIABLE
 
     spec = Spec(sizes=(64, 256, 256, 16) if quick else (256, 1024, 1024, 64), batch=16,
                 dtype=torch.float32)
@@ -291,5 +292,5 @@ def bench(device: torch.device, quick: bool) -> list:
                         f"held {held / 2**20:.2f} MiB per rank measured, {model / 2**20:.2f} "
                         f"MiB modeled (fp32, padded); plain DP holds "
                         f"{res['held'][0]['total'] / 2**20:.2f} MiB"
-                        + ("" if res["reliable"] else "; timing unreliable (busy cores)")))
+                        + ("" if res["reliable"] else f"; WARNING: {UNRELIABLE}")))
     return rows
