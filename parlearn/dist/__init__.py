@@ -34,6 +34,7 @@ from parlearn.dist.measure import (
     DEFAULT_SIZES,
     STUDY_SIZES,
     measure_alpha_beta,
+    measure_links,
     other_load,
     ring_vs_gloo,
     sweep_collective,
@@ -42,5 +43,5 @@ from parlearn.dist.traffic import Ledger, Record, ledger
 
 __all__ = ["run", "RankError", "device_for", "default_backend", "ledger", "Ledger", "Record",
            "AlphaBeta", "KINDS", "ALGORITHMS", "collective_time", "fit_alpha_beta", "ring_bytes",
-           "sweep_collective", "measure_alpha_beta", "DEFAULT_SIZES", "Card", "ring_vs_gloo",
-           "other_load", "STUDY_SIZES"]
+           "sweep_collective", "measure_alpha_beta", "measure_links", "DEFAULT_SIZES", "Card",
+           "ring_vs_gloo", "other_load", "STUDY_SIZES"]

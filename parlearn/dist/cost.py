@@ -28,7 +28,7 @@ reduction arithmetic and the topology: it is a line through measured points, not
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from parlearn.core.checks import check_choice, check_float, check_int
@@ -103,16 +103,44 @@ def _terms(kind: str, n: float, N: int, algorithm: str) -> tuple[float, float]:
     }[kind]
 
 
-def collective_time(kind: str, nbytes: float, world_size: int, model: AlphaBeta,
+def collective_time(kind: str, nbytes: float, world_size: int,
+                    model: AlphaBeta | Mapping[str, AlphaBeta],
                     algorithm: str = "ring") -> float:
     """Modeled seconds of one collective (table in the module docstring): ``kind`` a torch
     function name ("all_reduce", "reduce_scatter_tensor", "send", ...), ``nbytes`` its
-    payload as the ledger counts it, on ``world_size`` ranks."""
-    if not isinstance(model, AlphaBeta):
-        raise TypeError(f"model must be an AlphaBeta, got {type(model).__name__}")
+    payload as the ledger counts it, on ``world_size`` ranks.
+
+    ``model`` is one :class:`AlphaBeta` for every collective, or a mapping from collective
+    names (torch's or the table's) to the link fitted for that collective: a real engine
+    implements each collective its own way, so one fit need not price them all (gloo's
+    CPU all_gather measured about half the bandwidth of its all_reduce here). Two keys
+    naming the same collective must hold the same link."""
     kind, n, N = _check(kind, nbytes, world_size, algorithm)
+    link = _link_for(kind, model)
     steps, wire = _terms(kind, n, N, algorithm)
-    return steps * model.alpha + wire * model.beta
+    return steps * link.alpha + wire * link.beta
+
+
+def _link_for(canon: str, model: AlphaBeta | Mapping[str, AlphaBeta]) -> AlphaBeta:
+    """The link that prices collective ``canon``: ``model`` itself, or its entry."""
+    if isinstance(model, AlphaBeta):
+        return model
+    if not isinstance(model, Mapping):
+        raise TypeError("model must be an AlphaBeta or a mapping of collective names to "
+                        f"AlphaBeta, got {type(model).__name__}")
+    found = {}
+    for key, link in model.items():
+        check_choice("model's keys", key, KINDS)
+        if not isinstance(link, AlphaBeta):
+            raise TypeError(f"model[{key!r}] must be an AlphaBeta, got {type(link).__name__}")
+        if _CANON[key] == canon:
+            found[key] = link
+    if not found:
+        raise ValueError(f"model has no link for {canon!r} (its keys: {sorted(model)})")
+    if len(set(found.values())) > 1:
+        raise ValueError(f"model's keys {sorted(found)} name the same collective with "
+                         "different links")
+    return next(iter(found.values()))
 
 
 def ring_bytes(kind: str, payload_bytes: float, world_size: int) -> float:

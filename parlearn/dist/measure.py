@@ -29,7 +29,7 @@ from parlearn.dist.cost import AlphaBeta, collective_time, fit_alpha_beta
 from parlearn.dist.launch import default_backend, run
 
 __all__ = ["DEFAULT_SIZES", "STUDY_SIZES", "sweep_collective", "measure_alpha_beta",
-           "other_load", "ring_vs_gloo", "bench"]
+           "measure_links", "other_load", "ring_vs_gloo", "bench"]
 
 
 # Payload sizes (bytes) of the default sweep: 64 B to 4 MiB, four per decade or so.
@@ -135,6 +135,23 @@ def measure_alpha_beta(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES
                              timeout=timeout)
     return fit_alpha_beta(sweep["sizes"], sweep["median_s"][kind], kind=_model_kind(kind),
                           world_size=world_size)
+
+
+def measure_links(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, repeat: int = 5,
+                  *, kinds: Sequence[str] = ("all_reduce", "all_to_all", "all_gather"),
+                  backend: str | None = None, timeout: float = 30) -> dict[str, AlphaBeta]:
+    """One alpha-beta fit per collective: ``{kind: AlphaBeta}`` from one interleaved
+    :func:`sweep_collective` of ``kinds``, each fitted to its own ring formula. Pass it
+    as ``model`` to :func:`parlearn.dist.collective_time` (or anything that prices
+    collectives with it) to price each collective with its own fit: an engine implements
+    each its own way (gloo's CPU all_gather measured about half the bandwidth of its
+    all_reduce on our 2-core machine), so one all_reduce fit can misprice the others."""
+    if isinstance(kinds, str) or not kinds:
+        raise ValueError(f"kinds must be a non-empty sequence of kinds, got {kinds!r}")
+    sweep = sweep_collective(tuple(kinds), sizes, world_size, repeat=repeat, backend=backend,
+                             timeout=timeout)
+    return {k: fit_alpha_beta(sweep["sizes"], sweep["median_s"][k], kind=_model_kind(k),
+                              world_size=world_size) for k in kinds}
 
 
 def _quartiles(xs: Sequence[float]) -> tuple[float, float, float]:

@@ -288,6 +288,24 @@ def test_collective_time_hand_computed(kind, algorithm, n, N, expected):
     assert math.isclose(collective_time(kind, n, N, M, algorithm), expected, rel_tol=1e-12)
 
 
+def test_collective_time_prices_each_collective_by_its_own_link():
+    fast, slow = AlphaBeta(2e-5, 5e-10), AlphaBeta(3e-5, 4e-9)
+    links = {"all_reduce": fast, "all_gather_single": slow, "all_to_all": M}
+    for kind, link in (("all_reduce", fast), ("all_gather_into_tensor", slow),
+                       ("all_gather", slow), ("all_to_all_single", M)):
+        assert collective_time(kind, 1e6, 4, links) == collective_time(kind, 1e6, 4, link)
+    with pytest.raises(ValueError, match="no link for 'reduce_scatter'"):
+        collective_time("reduce_scatter_tensor", 1e6, 4, links)
+    with pytest.raises(ValueError, match="model's keys"):
+        collective_time("all_reduce", 1e6, 4, {"allreduce": fast})
+    with pytest.raises(ValueError, match="same collective"):
+        collective_time("all_gather", 1e6, 4, {"all_gather": fast, "all_gather_single": slow})
+    with pytest.raises(TypeError, match=r"model\['all_reduce'\]"):
+        collective_time("all_reduce", 1e6, 4, {"all_reduce": (1e-5, 1e-9)})
+    with pytest.raises(TypeError, match="model must be"):
+        collective_time("all_reduce", 1e6, 4, (1e-5, 1e-9))
+
+
 def test_ring_all_reduce_is_reduce_scatter_plus_all_gather():
     for N in (2, 3, 8):
         rs_ag = (collective_time("reduce_scatter", 1e6, N, M)
@@ -382,6 +400,18 @@ def test_measure_alpha_beta_on_real_ranks_gives_a_usable_model():
     # Any machine has some latency or some per-byte cost; the fit says which, >= 0.
     assert model.alpha >= 0 and model.beta >= 0 and (model.alpha > 0 or model.beta > 0)
     assert collective_time("all_reduce", 262144, 2, model) > 0
+
+
+def test_measure_links_fits_each_collective_on_real_ranks():
+    links = dist.measure_links(2, sizes=[64, 1024, 16384, 262144], repeat=3, timeout=T,
+                               kinds=("all_reduce", "all_gather"))
+    assert set(links) == {"all_reduce", "all_gather"}
+    for link in links.values():
+        assert link.alpha >= 0 and link.beta >= 0 and (link.alpha > 0 or link.beta > 0)
+    assert collective_time("all_gather_single", 262144, 2, links) == \
+        collective_time("all_gather", 262144, 2, links["all_gather"])
+    with pytest.raises(ValueError, match="kinds"):
+        dist.measure_links(2, kinds="all_reduce")
 
 
 # ---- the lesson's workers --------------------------------------------------------------

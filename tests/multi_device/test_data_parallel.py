@@ -92,16 +92,32 @@ def _worker_compressed(rank, world, xs, steps):
         plain.append(C.compressed_all_reduce(xs[t][rank], average=False))
         assert torch.equal(plain[-1], C.compressed_all_reduce(xs[t][rank], average=False,
                                                               reference_coding=True))
+        # out=: a given buffer, or x itself (in place), gets the same bits
+        x = xs[t][rank]
+        buf = torch.full_like(x, float("nan"))
+        assert C.compressed_all_reduce(x, average=False, out=buf) is buf
+        assert torch.equal(buf, plain[-1])
+        y = x.clone()
+        assert C.compressed_all_reduce(y, average=False, out=y) is y
+        assert torch.equal(y, plain[-1])
     refused = ""
     try:                                  # every rank refuses before sending anything
         C.compressed_all_reduce(torch.tensor([1.0, float("nan")]))
     except ValueError as err:
         refused = str(err)
+    for bad in (torch.empty(xs[0][rank].numel() + 1), torch.empty_like(xs[0][rank]).double()):
+        try:
+            C.compressed_all_reduce(xs[0][rank], out=bad)
+            refused += " | accepted a bad out"
+        except (ValueError, TypeError) as err:
+            assert str(err).startswith("out must"), err
     return outs, plain, recs, refused
 
 
-@pytest.mark.parametrize("world,n", [(2, 12), (3, 11)])
+@pytest.mark.parametrize("world,n", [(2, 12), (3, 11), (3, 3 * C._BLOCK + 5)])
 def test_compressed_all_reduce_equals_reference_and_sends_a_quarter(world, n):
+    # the last size gives chunks of _BLOCK + 2 elements: the CPU's blocked reduction and
+    # decoding then run over two blocks per chunk, the second of 2 elements (1 padding)
     gen = torch.Generator().manual_seed(world)
     steps = 3
     xs = [[torch.randn(n, generator=gen) for _ in range(world)] for _ in range(steps)]

@@ -143,6 +143,32 @@ def test_compressed_all_reduce_time_adds_the_coding_it_does():
         pytest.approx(plain + 30 + 12)
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_blocked_reduction_and_decoding_equal_the_reference_bit_for_bit(world):
+    # chunks of 2 blocks + 3 elements, every code in every chunk (so -0 and +0 too),
+    # scales that round differently in float32: the CPU's blocked owner reduction and
+    # decoding give the reference's bits; decoding into a given buffer gives the same
+    gen = torch.Generator().manual_seed(world)
+    m = 2 * T._BLOCK + 3
+    codes = torch.randint(0, 256, (world, m), generator=gen, dtype=torch.uint8)
+    codes[:, :256] = torch.arange(256, dtype=torch.uint8)
+    scales = (torch.rand(world, generator=gen, dtype=torch.float64) * 3 + 1e-3).float()
+    for average in (True, False):
+        fast = C._sum_received(codes, scales, average, False)
+        ref = C._sum_received(codes, scales, average, True)
+        assert fast.dtype == torch.float64 and torch.equal(fast.view(torch.int64),
+                                                           ref.view(torch.int64))
+    numel = world * m - 2                  # the last chunk's padding is not decoded
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        like = torch.empty(numel, dtype=dtype)
+        ref = C._decode(codes.reshape(-1), scales, like, True)
+        fast = C._decode(codes.reshape(-1), scales, like, False)
+        into = torch.full_like(like, float("nan"))
+        assert C._decode(codes.reshape(-1), scales, like, False, into) is into
+        for got in (fast, into):
+            assert got.dtype == dtype and torch.equal(got, ref)
+
+
 @pytest.mark.parametrize("world,numel", [(2, 10), (3, 10)])
 def test_path_coding_seconds_times_the_path_in_the_models_units(world, numel, monkeypatch):
     # The two timed calls run the path's own local work (checked by spying on the

@@ -218,16 +218,25 @@ class CompressedDP(_DataParallel):
         super().__init__(module, group=group, record=record)
         self.error_feedback = ErrorFeedback() if error_feedback else None
         self.reference_coding = reference_coding
+        self._flat: torch.Tensor | None = None
 
     def _finish(self) -> None:
         from parlearn.multi_device.data_parallel.compression import compressed_all_reduce
 
-        flat = torch.cat([p.grad.reshape(-1) for p in self._params])
-        out = compressed_all_reduce(flat, average=True, error_feedback=self.error_feedback,
-                                    group=self.group, reference_coding=self.reference_coding)
+        grads = [p.grad.reshape(-1) for p in self._params]
+        # one buffer kept from step to step, packed, reduced and decoded in place: a
+        # fresh one each step cost its pages again (measured, 2 gloo ranks)
+        numel = sum(g.numel() for g in grads)
+        if (self._flat is None or self._flat.dtype != grads[0].dtype
+                or self._flat.device != grads[0].device or self._flat.numel() != numel):
+            self._flat = torch.empty(numel, dtype=grads[0].dtype, device=grads[0].device)
+        flat = torch.cat(grads, out=self._flat)
+        compressed_all_reduce(flat, average=True, error_feedback=self.error_feedback,
+                              group=self.group, reference_coding=self.reference_coding,
+                              out=flat)
         offset = 0
         for p in self._params:
-            p.grad.copy_(out[offset:offset + p.numel()].view_as(p.grad))
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
             offset += p.numel()
 
 
