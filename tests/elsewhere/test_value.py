@@ -1,13 +1,9 @@
 """parlearn.value: EBU batched over episodes equals the paper's loop and reduces to one-step
 targets at beta = 0; LS-DQN's batched per-action solve equals the joint closed form; t-soft
 with nu -> inf is the plain EMA and slows an outlying update; the seeded training runs (JAX
-environments) are checked in a fresh process."""
+environments) are in test_value_training.py, run in a fresh interpreter."""
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -220,15 +216,3 @@ def test_tsoft_bad_input():
         V.tsoft_update(t, t, V.tsoft_init(t, 0.1), 0.1, 0.0)
     with pytest.raises(ValueError, match="tau"):
         V.tsoft_init(t, 1.0)
-
-
-# --- training (JAX environments): in a fresh interpreter --------------------------------------
-
-def test_training_cases_in_a_fresh_process():
-    pytest.importorskip("jax")
-    cases = Path(__file__).with_name("value_training_cases.py")
-    done = subprocess.run([sys.executable, "-m", "pytest", str(cases), "-q", "-p",
-                           "no:cacheprovider", "-rs"], env={**os.environ}, capture_output=True,
-                          text=True, timeout=900, cwd=Path(__file__).parent.parent.parent)
-    print(done.stdout[-6000:])
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]

@@ -9,27 +9,9 @@ import torch
 from parlearn.many_copies import decoding as D
 from parlearn.many_copies.diffusion import PairedPhrase
 
-# Mean field's CPU sweeps are a JAX program, and JAX starts threads that make every later
-# os.fork() of this pytest process warn (an error under our filterwarnings) while later
-# test files fork gloo ranks. So these tests run in a fresh interpreter, started by
-# test_all_cases_in_a_fresh_process; in the outer pytest process they are skipped.
-INNER = os.environ.get("PARLEARN_JAX_TESTS") == "1"
-
-
-@pytest.fixture(autouse=True)
-def _in_the_fresh_process_only(request):
-    if not INNER and request.node.name != "test_all_cases_in_a_fresh_process":
-        pytest.skip("run by test_all_cases_in_a_fresh_process")
-
-
-@pytest.mark.skipif(INNER, reason="this is the launcher")
-def test_all_cases_in_a_fresh_process():
-    done = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-rs"],
-                          env={**os.environ, "PARLEARN_JAX_TESTS": "1"}, capture_output=True,
-                          text=True, timeout=900)
-    print(done.stdout[-6000:])
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-
+# Mean field's CPU sweeps are a JAX program: these tests run in a fresh interpreter (see
+# fresh_process in tests/conftest.py).
+pytestmark = pytest.mark.fresh_process
 
 LANG = PairedPhrase(slots=8, m=4)
 
@@ -243,9 +225,6 @@ print(status("VmHWM:") - before, tuple(J.shape))
 def _peak_extra_bytes(B, L, V, which):
     """Growth of the process's peak resident set (Linux VmHWM, reset just before the call
     through /proc/self/clear_refs) during one coupling call, in a fresh subprocess."""
-    import os
-    import subprocess
-    import sys
 
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("peak-RSS measurement needs Linux /proc/self/clear_refs")

@@ -2,30 +2,18 @@
 insertion never lowers a cell; the QD-score is monotone; batch size does not change the
 QD-score much at an equal budget; the same task and budget in qdax give a comparable score."""
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 
-# JAX starts threads that make every later os.fork() of this pytest process warn (an error
-# under our filterwarnings), and later test files fork gloo ranks. So the tests below run in
-# a fresh interpreter, started by test_all_cases_in_a_fresh_process; in the outer pytest
-# process they are skipped with that reason.
-INNER = os.environ.get("PARLEARN_JAX_TESTS") == "1"
+# JAX starts threads: these tests run in a fresh interpreter (see fresh_process in
+# tests/conftest.py).
+pytestmark = pytest.mark.fresh_process
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 from parlearn.many_copies import qd  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _in_the_fresh_process_only(request):
-    if not INNER and request.node.name != "test_all_cases_in_a_fresh_process":
-        pytest.skip("run by test_all_cases_in_a_fresh_process")
 
 TASKS = [qd.arm_task(8), qd.rastrigin_task(6)]
 
@@ -81,8 +69,6 @@ def test_insert_never_lowers_a_cell():
 
 @pytest.fixture(scope="module")
 def runs():
-    if not INNER:
-        pytest.skip("run by test_all_cases_in_a_fresh_process")
     task = qd.arm_task(8)
     budget = 4096 * 12
     return {b: qd.map_elites(task, batch_size=b, budget=budget, seed=0, records=8)
@@ -196,11 +182,3 @@ def test_bad_calls_fail_fast(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
 
-
-@pytest.mark.skipif(INNER, reason="this is the launcher")
-def test_all_cases_in_a_fresh_process():
-    done = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-rs"],
-                          env={**os.environ, "PARLEARN_JAX_TESTS": "1"}, capture_output=True,
-                          text=True, timeout=900)
-    print(done.stdout[-6000:])
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]

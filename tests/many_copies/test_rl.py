@@ -2,30 +2,18 @@
 reference loop; batched steps equal single steps; a short seeded training run beats a random
 policy by a wide margin; gymnax's CartPole is the same system and trains too."""
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 
-# JAX starts threads that make every later os.fork() of this pytest process warn (an error
-# under our filterwarnings), and later test files fork gloo ranks. So the tests below run in
-# a fresh interpreter, started by test_all_cases_in_a_fresh_process; in the outer pytest
-# process they are skipped with that reason.
-INNER = os.environ.get("PARLEARN_JAX_TESTS") == "1"
+# JAX starts threads: these tests run in a fresh interpreter (see fresh_process in
+# tests/conftest.py).
+pytestmark = pytest.mark.fresh_process
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 from parlearn.many_copies import rl  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _in_the_fresh_process_only(request):
-    if not INNER and request.node.name != "test_all_cases_in_a_fresh_process":
-        pytest.skip("run by test_all_cases_in_a_fresh_process")
 
 ENV = rl.cartpole()
 
@@ -148,8 +136,6 @@ def test_ppo_rollout_advantages_equal_reference():
 
 @pytest.fixture(scope="module")
 def trained():
-    if not INNER:
-        pytest.skip("run by test_all_cases_in_a_fresh_process")
     cfg = rl.PPOConfig(num_envs=64, num_steps=32, updates=40)
     return rl.train_ppo(ENV, cfg, seed=0, records=10, eval_episodes=64)
 
@@ -235,11 +221,3 @@ def test_bad_calls_fail_fast(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
 
-
-@pytest.mark.skipif(INNER, reason="this is the launcher")
-def test_all_cases_in_a_fresh_process():
-    done = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-rs"],
-                          env={**os.environ, "PARLEARN_JAX_TESTS": "1"}, capture_output=True,
-                          text=True, timeout=900)
-    print(done.stdout[-6000:])
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]

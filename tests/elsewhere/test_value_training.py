@@ -1,6 +1,6 @@
-"""Seeded DQN runs on the batched JAX cart-pole (run in a fresh interpreter by
-test_value.py::test_training_cases_in_a_fresh_process: JAX's threads make later forks of
-the main pytest process unsafe). Returns vs env steps for DQN and each variant."""
+"""Seeded DQN runs on the batched JAX cart-pole, in a fresh interpreter (fresh_process in
+tests/conftest.py: JAX's threads make later forks of the main pytest process unsafe).
+Returns vs env steps for DQN and each variant."""
 
 import math
 from dataclasses import replace
@@ -8,6 +8,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+
+pytestmark = pytest.mark.fresh_process
 
 pytest.importorskip("jax")
 

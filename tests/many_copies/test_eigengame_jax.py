@@ -1,22 +1,18 @@
-"""EigenGame's JAX tests, run by test_eigengame.py (beside this file) in a child process
-with 8 fake CPU devices (JAX must never start in the main pytest process: later tests
-fork, and a forked JAX process can deadlock). They check that the updates converge to
-eigh's eigenvectors, that the mu minibatch direction is unbiased while alpha's is not (Monte
-Carlo, in standard errors), and that the sharded run on 8 devices equals the single-device
-run to round-off.
-
-Run alone with ``python -m pytest tests/many_copies/eigengame_cases.py``.
-"""
+"""EigenGame's JAX tests, in a child pytest with 8 fake CPU devices (fresh_process in
+tests/conftest.py: JAX must not start in the main pytest process, whose later tests fork,
+and the device count must be set before JAX starts). They check that the updates converge
+to eigh's eigenvectors, that the mu minibatch direction is unbiased while alpha's is not
+(Monte Carlo, in standard errors), and that the sharded run on 8 devices equals the
+single-device run to round-off."""
 
 import numpy as np
 import pytest
 import torch
 
-from parlearn.core import device
+from parlearn.many_copies import eigengame as E
 
-device.fake_jax_cpu_devices(8)  # before JAX starts (a no-op when the parent already set 8)
-
-from parlearn.many_copies import eigengame as E  # noqa: E402
+pytestmark = pytest.mark.fresh_process(env={"JAX_NUM_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu",
+                                            "XLA_FLAGS": None})
 
 X = E.synthetic_data(1000, 10, decay=0.6, seed=0)
 K = 4
