@@ -127,6 +127,24 @@ class _DataParallel(nn.Module):
         self._handles = []
 
 
+def _flat_buffer(buf: torch.Tensor | None, grads: list[torch.Tensor]) -> torch.Tensor:
+    """``buf`` if it can hold ``grads`` flattened end to end (same total size, dtype and
+    device as the first), else a new buffer that can."""
+    numel = sum(g.numel() for g in grads)
+    g = grads[0]
+    if buf is None or buf.numel() != numel or buf.dtype != g.dtype or buf.device != g.device:
+        buf = torch.empty(numel, dtype=g.dtype, device=g.device)
+    return buf
+
+
+def _unpack(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
+    """Copy consecutive pieces of ``flat`` back into ``grads`` (the inverse of packing)."""
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 class NaiveDP(_DataParallel):
     """After backward, ``all_reduce`` each gradient (one message per parameter) and divide
     by the world size. Nothing overlaps: communication starts when backward is done."""
@@ -167,6 +185,9 @@ class BucketedDP(_DataParallel):
             size += nbytes
         self._bucket_of = {id(p): i for i, b in enumerate(self._bucket_params) for p in b}
         self.buckets = [[self._names[id(p)] for p in b] for b in self._bucket_params]
+        # one flat buffer per bucket, kept from step to step (as DDP's buckets are): a
+        # fresh one each step would cost its pages again
+        self._flats: list[torch.Tensor | None] = [None] * len(self._bucket_params)
         self._reset()
 
     def _reset(self) -> None:
@@ -177,7 +198,9 @@ class BucketedDP(_DataParallel):
     def _launch_ready(self) -> None:
         while self._next < len(self._bucket_params) and self._pending[self._next] == 0:
             i = self._next
-            flat = torch.cat([p.grad.reshape(-1) for p in self._bucket_params[i]])
+            grads = [p.grad.reshape(-1) for p in self._bucket_params[i]]
+            self._flats[i] = flat = _flat_buffer(self._flats[i], grads)
+            torch.cat(grads, out=flat)
             self._log("launch", str(i))
             work = tdist.all_reduce(flat, group=self.group, async_op=True)
             if self.record:     # the future's callback runs when gloo has finished
@@ -196,10 +219,7 @@ class BucketedDP(_DataParallel):
         for (work, flat), params in zip(self._inflight, self._bucket_params, strict=True):
             work.wait()
             flat.div_(self.world_size)
-            offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
+            _unpack(flat, [p.grad for p in params])
         self._reset()
 
 
@@ -226,18 +246,12 @@ class CompressedDP(_DataParallel):
         grads = [p.grad.reshape(-1) for p in self._params]
         # one buffer kept from step to step, packed, reduced and decoded in place: a
         # fresh one each step cost its pages again (measured, 2 gloo ranks)
-        numel = sum(g.numel() for g in grads)
-        if (self._flat is None or self._flat.dtype != grads[0].dtype
-                or self._flat.device != grads[0].device or self._flat.numel() != numel):
-            self._flat = torch.empty(numel, dtype=grads[0].dtype, device=grads[0].device)
-        flat = torch.cat(grads, out=self._flat)
+        self._flat = flat = _flat_buffer(self._flat, grads)
+        torch.cat(grads, out=flat)
         compressed_all_reduce(flat, average=True, error_feedback=self.error_feedback,
                               group=self.group, reference_coding=self.reference_coding,
                               out=flat)
-        offset = 0
-        for p in self._params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-            offset += p.numel()
+        _unpack(flat, [p.grad for p in self._params])
 
 
 def make_ddp(module: nn.Module, *, bucket_bytes: int = 25 * 2**20, group=None

@@ -316,7 +316,9 @@ def bench(device: torch.device, quick: bool) -> list:
     steps = 5 if quick else 12
     # one fit per collective the paths issue, interleaved in one sweep: gloo's all_gather
     # and all_to_all are not priced well by its all_reduce's fit
-    links = measure_links(2, sizes=[2**k for k in range(8, 23, 2)], repeat=3 if quick else 5)
+    # and up to 16 MiB, past the fp32 gradient's 9.5 MB: the bandwidth fitted up to 4 MiB
+    # only put a 9.5 MB all-reduce anywhere from 5 to 14 ms over four fits (measured)
+    links = measure_links(2, sizes=[2**k for k in range(8, 25, 2)], repeat=3 if quick else 5)
     ab = links["all_reduce"]
     kinds = ("local", "naive", "bucketed", "one_bucket", "compressed", "compressed_reference")
     res = run(worker_step_time, 2, args=(kinds, widths, 32, steps, 2**18), timeout=300)
@@ -393,7 +395,11 @@ def bench(device: torch.device, quick: bool) -> list:
                     f"{mod32 / mod8:.2f}x; measured / modeled: fp32 {fit32:.2f}, 8-bit "
                     f"{fit8:.2f} (with the all_reduce fit for every collective: 8-bit "
                     f"{mod8_one_fit * 1e3:.1f} ms, measured / modeled "
-                    f"{s['compressed']['median'] / mod8_one_fit:.2f}). The coders alone, "
+                    f"{s['compressed']['median'] / mod8_one_fit:.2f}). Not modeled: the "
+                    f"wrappers' packing of the gradients into one buffer and back, and the "
+                    f"wait at each collective for the slower rank, paid at the 8-bit path's "
+                    f"4 collectives and at fp32's 1 (a per-phase profile on 2 quiet ranks: "
+                    f"about 2 ms and 3 ms of the 8-bit step). The coders alone, "
                     f"timed warm on one input in this "
                     f"process ({q_alone * 1e9:.1f} and {d_alone * 1e9:.1f} ns), would "
                     f"model {mod32 / mod8_alone:.2f}x. Bytes alone would give "
