@@ -112,8 +112,9 @@ def collective_time(kind: str, nbytes: float, world_size: int,
 
     ``model`` is one :class:`AlphaBeta` for every collective, or a mapping from collective
     names (torch's or the table's) to the link fitted for that collective: a real engine
-    implements each collective its own way, so one fit need not price them all (gloo's
-    CPU all_gather measured about half the bandwidth of its all_reduce here). Two keys
+    implements each collective its own way, so one fit need not price them all (over a
+    dozen sweeps on our 2-core machine, gloo's CPU all_gather fitted 0.45-1.1 times the
+    bandwidth of its all_reduce, typically 0.7). Two keys
     naming the same collective must hold the same link."""
     kind, n, N = _check(kind, nbytes, world_size, algorithm)
     link = _link_for(kind, model)

@@ -144,8 +144,9 @@ def measure_links(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, rep
     :func:`sweep_collective` of ``kinds``, each fitted to its own ring formula. Pass it
     as ``model`` to :func:`parlearn.dist.collective_time` (or anything that prices
     collectives with it) to price each collective with its own fit: an engine implements
-    each its own way (gloo's CPU all_gather measured about half the bandwidth of its
-    all_reduce on our 2-core machine), so one all_reduce fit can misprice the others."""
+    each its own way (over a dozen sweeps on our 2-core machine, gloo's CPU all_gather
+    fitted 0.45-1.1 times the bandwidth of its all_reduce, typically 0.7), so one
+    all_reduce fit can misprice the others."""
     if isinstance(kinds, str) or not kinds:
         raise ValueError(f"kinds must be a non-empty sequence of kinds, got {kinds!r}")
     sweep = sweep_collective(tuple(kinds), sizes, world_size, repeat=repeat, backend=backend,
