@@ -19,6 +19,7 @@ from parlearn.multi_device.data_parallel.dynamic_tree import (
     _BLOCK,
     CODE_BITS,
     _dequantize_rows,
+    _gather_into,
     _quantize_rows,
     _scaled_tables,
     code_table,
@@ -150,8 +151,7 @@ def _sum_received_blocked(codes: torch.Tensor, scales: torch.Tensor, average: bo
         acc, t = mine[b0:b1], tmp[:b1 - b0]
         acc.zero_()
         for i in range(world):
-            torch.index_select(tables[i], 0, codes[i, b0:b1].to(torch.int32), out=t)
-            acc += t
+            acc += _gather_into(tables[i], codes[i, b0:b1], t)
         if average:
             acc /= world
     return mine
@@ -178,10 +178,7 @@ def _decode(codes: torch.Tensor, scales: torch.Tensor, like: torch.Tensor,
     tables = _scaled_tables(scales.double(), like.dtype)
     for j in range(world):
         lo, hi = j * m, min(numel, (j + 1) * m)
-        step = _BLOCK if codes.device.type == "cpu" else max(1, hi - lo)
-        for b0 in range(lo, hi, step):
-            b1 = min(hi, b0 + step)
-            torch.index_select(tables[j], 0, codes[b0:b1].to(torch.int32), out=flat[b0:b1])
+        _gather_into(tables[j], codes[lo:hi], flat[lo:hi])
     return out
 
 

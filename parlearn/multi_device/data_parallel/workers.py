@@ -314,10 +314,10 @@ def bench(device: torch.device, quick: bool) -> list:
 
     widths = [128, 256, 256, 10] if quick else [256, 1024, 1024, 1024, 10]
     steps = 5 if quick else 12
-    # one fit per collective the paths issue, interleaved in one sweep: gloo's all_gather
-    # and all_to_all are not priced well by its all_reduce's fit
-    # and up to 16 MiB, past the fp32 gradient's 9.5 MB: the bandwidth fitted up to 4 MiB
-    # only put a 9.5 MB all-reduce anywhere from 5 to 14 ms over four fits (measured)
+    # one fit per collective the paths issue, interleaved in one sweep (gloo's all_gather
+    # and all_to_all are not priced well by its all_reduce's fit), up to 16 MiB, past the
+    # fp32 gradient's 9.5 MB: fitted only up to 4 MiB, the bandwidth put a 9.5 MB
+    # all-reduce anywhere from 5 to 14 ms over four fits (measured)
     links = measure_links(2, sizes=[2**k for k in range(8, 25, 2)], repeat=3 if quick else 5)
     ab = links["all_reduce"]
     kinds = ("local", "naive", "bucketed", "one_bucket", "compressed", "compressed_reference")
