@@ -183,6 +183,50 @@ def test_data_parallel_equals_single_process_step_by_step(kind, optimizer, accum
         before = ref[t]
 
 
+def _worker_compressed_train(rank, world, model, xs, ys, lr):
+    wrapped = D.CompressedDP(model)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    snaps = []
+    for x, y in zip(xs, ys, strict=True):
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(wrapped(D.shard(x, rank, world)),
+                                          D.shard(y, rank, world)).backward()
+        opt.step()
+        snaps.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return snaps
+
+
+def test_compressed_dp_trains_a_frozen_tied_model_as_its_reference():
+    # CompressedDP (one buffer kept across steps, decoded in place) on a model with a
+    # frozen layer and a weight used twice: each step equals SGD on the reference
+    # all-reduce of the two ranks' flattened gradients, bit for bit
+    xs, ys = _data()
+    model = D.TiedMLP(5, 6, 3)
+    res = dist.run(_worker_compressed_train, 2, args=(copy.deepcopy(model), xs, ys, 0.05),
+                   timeout=TIMEOUT)
+    ref = copy.deepcopy(model)
+    params = [p for p in ref.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.05)
+    before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    for t, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        flats = []
+        for r in range(2):
+            loss = torch.nn.functional.cross_entropy(ref(D.shard(x, r, 2)), D.shard(y, r, 2))
+            flats.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]))
+        avg, offset = C.compressed_all_reduce_reference(flats), 0
+        for p in params:
+            p.grad = avg[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        opt.step()
+        for n, v in ref.named_parameters():
+            v = v.detach()
+            moved = float((v - before[n]).abs().max())
+            assert (moved == 0.0) if n.startswith("frozen") else (moved > 1e-4), (t, n)
+            for r in range(2):
+                assert torch.equal(res[r][t][n], v), (t, r, n)
+        before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+
 def test_bucketed_hooks_fire_during_backward_and_every_grad_is_in_one_bucket():
     xs, ys = _data(steps=2)
     model = D.TiedMLP(5, 6, 3)
