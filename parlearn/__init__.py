@@ -4,8 +4,8 @@ The package is laid out as the course (``lessons/NN_*.ipynb``, the tens digit th
 
 - ``core``: device, timing, settings, checks, viz, widgets, datasets, the bench's rows,
   and lesson 00's basics;
-- ``dist``: real ``torch.distributed`` ranks, the collectives ledger, the alpha-beta model,
-  collectives from send/recv (lesson 10);
+- ``distributed`` (short name ``dist``): real ``torch.distributed`` ranks, the collectives
+  ledger, the alpha-beta model, collectives from send/recv (lesson 10);
 - ``multi_device``: Part 1, training on many devices (lessons 11-19);
 - ``serial_chain``: Part 2, beyond backprop's serial chain (lessons 20-29);
 - ``many_copies``: Part 3, many copies at once (lessons 30-39);
@@ -33,8 +33,10 @@ SHORT_NAMES: dict[str, str] = {
     "device": "core.device", "timing": "core.timing", "settings": "core.settings",
     "checks": "core.checks", "viz": "core.viz", "widgets": "core.widgets",
     "datasets": "core.datasets", "models": "core.models", "basics": "core.basics",
-    # dist (lesson 10)
-    "collectives": "dist.collectives", "card": "dist.card",
+    # distributed (lesson 10); the folder is not named "dist": pytest, ruff and .gitignore
+    # templates all skip folders of that name by default.
+    "dist": "distributed",
+    "collectives": "distributed.collectives", "card": "distributed.card",
     # Part 1: training on many devices
     "data_parallel": "multi_device.data_parallel",
     "compression": "multi_device.data_parallel.compression",
@@ -95,6 +97,15 @@ class _ShortNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         spec.loader_state = module.__spec__  # the home spec, which importlib overwrites next
         return module
 
+    # runpy (``python -m parlearn.dist``, ``torchrun -m parlearn.dist``) asks the loader whether
+    # the name is a package and for its code: answer for the home module.
+    def is_package(self, fullname):
+        return importlib.util.find_spec(_home(fullname)).submodule_search_locations is not None
+
+    def get_code(self, fullname):
+        home = _home(fullname)
+        return importlib.util.find_spec(home).loader.get_code(home)
+
     def exec_module(self, module):
         # Already executed under its home name; importlib has just set ``__spec__`` to the
         # alias's spec, so put the home spec back (reload, pickle and -m look there).
@@ -111,5 +122,5 @@ def __getattr__(name: str):
     if name in SHORT_NAMES:
         return importlib.import_module(f"{__name__}.{SHORT_NAMES[name]}")
     if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f".{name}", __name__)  # a part or bench: parlearn.dist
+        return importlib.import_module(f".{name}", __name__)  # a part: parlearn.multi_device
     raise AttributeError(f"module 'parlearn' has no attribute {name!r}")

@@ -30,7 +30,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "basics": ("parlearn.core.basics",
                "batched matmul (torch.bmm) vs a Python loop of the same matmuls"),
     # Part 1: training on many devices
-    "dist": ("parlearn.dist.measure",
+    "dist": ("parlearn.distributed.measure",
              "ring all-reduce from send/recv vs all_reduce at 64 KiB and 64 MiB; measured/modeled"),
     "data_parallel": ("parlearn.multi_device.data_parallel.workers",
                       "DP step: bucketed vs naive; 8-bit vs fp32"),

@@ -15,7 +15,7 @@ import parlearn
 
 PKG = Path(parlearn.__file__).parent
 # A layer may import its own layer and those below it, never one above.
-LAYERS = {"core": 0, "dist": 1, "multi_device": 2, "serial_chain": 2, "many_copies": 2,
+LAYERS = {"core": 0, "distributed": 1, "multi_device": 2, "serial_chain": 2, "many_copies": 2,
           "elsewhere": 2}
 MAX_LINES = 500  # DESIGN.md: a module over ~400 lines becomes a package
 
@@ -194,3 +194,29 @@ def test_bench_registry_points_at_modules_with_bench():
     for group, (module, _) in bench.BENCHES.items():
         assert module in MODULES, f"{group}: {module} is not a module"
         assert "def bench(" in MODULES[module].read_text(), f"{group}: {module} has no bench"
+
+
+def test_every_test_file_on_disk_is_collected(pytestconfig):
+    """pytest skips folders matching ``norecursedirs`` (``dist``, ``build``, ``venv``, dot
+    folders...) without a word: ``tests/dist`` went uncollected that way. Every
+    ``tests/**/test_*.py`` must sit under a test path, outside every such folder."""
+    import fnmatch
+
+    root = Path(pytestconfig.rootpath)
+    skip = pytestconfig.getini("norecursedirs")
+    testpaths = [root / p for p in pytestconfig.getini("testpaths")]
+    patterns = pytestconfig.getini("python_files")
+    files = sorted((root / "tests").rglob("test_*.py"))
+    assert files, "no test files found under tests/"
+    missed = []
+    for f in files:
+        rel = f.relative_to(root)
+        hidden = [d for d in rel.parts[:-1] if any(fnmatch.fnmatch(d, pat) for pat in skip)]
+        outside = not any(tp in f.parents for tp in testpaths)
+        unnamed = not any(fnmatch.fnmatch(f.name, pat) for pat in patterns)
+        if hidden or outside or unnamed:
+            missed.append(f"{rel}: " + ", ".join(
+                w for w, bad in ((f"folder {hidden} matches norecursedirs", hidden),
+                                 ("outside testpaths", outside),
+                                 (f"name not in python_files {patterns}", unnamed)) if bad))
+    assert not missed, "test files pytest never collects:\n" + "\n".join(missed)

@@ -268,7 +268,7 @@ def allreduce_bytes(widths: Sequence[int], active: Sequence[int], *, world_size:
     sends in a ring all-reduce, ``2 (N-1)/N payload``; ``full_*`` the same with every
     neuron active. Every rank computes the same masks (same weights, same validation
     subset), so the ranks agree on which rows to send without a message."""
-    from parlearn.dist.cost import ring_bytes
+    from parlearn.distributed.cost import ring_bytes
 
     widths = [check_int("widths[i]", w, lo=1) for w in widths]
     if len(active) != len(widths) - 1:

@@ -327,7 +327,7 @@ def split_worker(rank: int, world_size: int, net: nn.Module, x: torch.Tensor) ->
     are all-reduced. Returns the logits and this rank's ledger summary."""
     import torch.distributed as tdist
 
-    from parlearn.dist import ledger
+    from parlearn.distributed import ledger
 
     k, lins = world_size, linears(net)
     masks = message_mask(net, k)
@@ -365,7 +365,7 @@ def split_inference(net: nn.Module, k: int, x: torch.Tensor, timeout: float = 30
     """Run :func:`split_worker` on ``k`` real gloo ranks. Returns rank 0's logits, the
     largest difference between ranks' logits, and the wire bytes the ledgers saw (summed
     over ranks; module docstring)."""
-    from parlearn.dist import run
+    from parlearn.distributed import run
 
     _check_k(net, k)
     check_tensor("x", x, ndim=2, floating=True)
@@ -382,7 +382,7 @@ def megatron_worker(rank: int, world_size: int, net: nn.Module, x: torch.Tensor)
     (no communication), Linear ``2m+1`` row-parallel (one all-reduce). An unpaired last
     Linear is row-parallel on this rank's slice of the (replicated) input. Returns the
     logits and this rank's ledger summary."""
-    from parlearn.dist import ledger
+    from parlearn.distributed import ledger
     from parlearn.multi_device.tensor_parallel.megatron import (
         ColumnParallelLinear,
         RowParallelLinear,
@@ -406,7 +406,7 @@ def megatron_worker(rank: int, world_size: int, net: nn.Module, x: torch.Tensor)
 def megatron_inference(net: nn.Module, k: int, x: torch.Tensor, timeout: float = 30) -> dict:
     """Run :func:`megatron_worker` on ``k`` gloo ranks; same fields as
     :func:`split_inference`."""
-    from parlearn.dist import run
+    from parlearn.distributed import run
 
     _check_k(net, k)
     check_tensor("x", x, ndim=2, floating=True)

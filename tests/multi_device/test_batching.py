@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from parlearn import dist
+from parlearn import distributed as dist
 from parlearn.core import datasets, models
 from parlearn.multi_device import batching as bt
 

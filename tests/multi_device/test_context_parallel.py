@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from parlearn import context_parallel as cp
-from parlearn import dist
-from parlearn.dist import RankError, ring_bytes, run
+from parlearn import distributed as dist
+from parlearn.distributed import RankError, ring_bytes, run
 from parlearn.multi_device.context_parallel import ring as ring_module
 
 TOL = 1e-12

@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from parlearn import dist
+from parlearn import distributed as dist
 from parlearn.multi_device import data_parallel as D
 from parlearn.multi_device.data_parallel import compression as C
 from parlearn.multi_device.data_parallel import workers as W

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from parlearn import dist
+from parlearn import distributed as dist
 from parlearn.multi_device.data_parallel import compression as C
 from parlearn.multi_device.data_parallel import dynamic_tree as T
 

@@ -116,7 +116,7 @@ def test_planner_memory_equals_what_the_ranks_hold(dims, recompute, mlp):
 def _fake_card(alpha=1e-4, beta=1e-9, rate=1e9, memory=1e12):
     from parlearn.card import Card
 
-    from parlearn.dist.cost import AlphaBeta
+    from parlearn.distributed.cost import AlphaBeta
 
     links = {f"{k}@{n}": AlphaBeta(alpha, beta) for k in ("all_gather", "reduce_scatter", "p2p")
              for n in (2, 4, 8)}

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from parlearn import dist
+from parlearn import distributed as dist
 from parlearn.multi_device import pipeline as pl
 from parlearn.multi_device.pipeline.zoo import zoo_schedule
 

@@ -187,7 +187,7 @@ def test_every_stage_equals_single_process_adam_step_by_step(stage, world_size):
                                                    (3, 2, "second backward"),
                                                    (3, 0, "without a complete backward")])
 def test_stages_2_and_3_refuse_anything_but_one_backward_per_step(stage, backwards, error):
-    from parlearn import dist
+    from parlearn import distributed as dist
 
     with pytest.raises(dist.RankError, match=error):
         dist.run(S._worker_misuse, 2, args=(SPEC, stage, backwards), backend="gloo",
@@ -319,7 +319,7 @@ def _worker_odd(rank: int, world_size: int, stage: int, steps: int) -> dict:
 
 @pytest.mark.parametrize("stage", S.STAGES)
 def test_frozen_and_tied_parameters_train_like_torch_adam(stage):
-    from parlearn import dist
+    from parlearn import distributed as dist
 
     steps = 3
     model = _odd_model()

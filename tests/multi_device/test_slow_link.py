@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from parlearn import dist
+from parlearn import distributed as dist
 from parlearn.multi_device.data_parallel import compression as C
 from parlearn.multi_device.data_parallel import slow_link as S
 from parlearn.multi_device.data_parallel import workers as W

@@ -114,7 +114,7 @@ def test_movement_validates_its_arguments():
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_real_rank_movements_pass_the_dot_product_test(world_size):
-    from parlearn import dist
+    from parlearn import distributed as dist
 
     res = dist.run(tp.rank_dot_product_worker, world_size, args=(2, 4, 0), backend="gloo",
                    timeout=T, deadline=4 * T)

@@ -301,7 +301,7 @@ def _sweeps_jax(bh: torch.Tensor, bJ: torch.Tensor, q: torch.Tensor, eta: float,
     ``exp(inf) = inf`` keeps it at 0, and it never changes the residual (unmasked
     positions of a row are padded ranks already). Runs in JAX's 64-bit mode, switched on
     only for the call, so float64 stays float64. Like every JAX-using part of parlearn it
-    starts JAX's threads in this process; a later ``parlearn.dist.run`` that forks its
+    starts JAX's threads in this process; a later ``parlearn.distributed.run`` that forks its
     ranks then meets JAX's warning about fork (the tests run this module in a fresh
     interpreter for that reason)."""
     import jax

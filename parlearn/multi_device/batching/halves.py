@@ -122,10 +122,10 @@ class _HalfProbe:
 
 def worker_half_gradients(rank: int, world_size: int, model: nn.Module, x: torch.Tensor,
                           y: torch.Tensor, accum: int = 1) -> dict:
-    """A :func:`parlearn.dist.run` worker: the two halves' mean gradients of a
+    """A :func:`parlearn.distributed.run` worker: the two halves' mean gradients of a
     cross-entropy loss over the batch ``x, y`` on real ranks (two sub-groups, then the
     partner exchange), and the payload bytes the ledger saw by kind of collective."""
-    from parlearn.dist import ledger
+    from parlearn.distributed import ledger
 
     probe = _HalfProbe(model, world_size)
     with ledger() as led:

@@ -130,7 +130,7 @@ def _bench(quick: bool) -> list:
     from parlearn.core.bench import Row
     from parlearn.core.datasets import digits
     from parlearn.core.models import mlp
-    from parlearn.dist import run
+    from parlearn.distributed import run
 
     task = DigitsTask(digits(), seed=0)
     model = mlp([64, 64, 10], seed=0)

@@ -218,7 +218,7 @@ def train(model: nn.Module, task, *, method: str = "simigrad", steps: int = 100,
 
 
 def worker_train(rank: int, world_size: int, model: nn.Module, task, kwargs: dict) -> History:
-    """A :func:`parlearn.dist.run` worker: :func:`train` (``kwargs`` as there, ``micro``
+    """A :func:`parlearn.distributed.run` worker: :func:`train` (``kwargs`` as there, ``micro``
     included) on real ranks. Each rank draws the same batch, takes its shard, accumulates
     ``B / (W micro)`` micro-batches under ``no_sync``, its half's group all-reduces, the
     partners exchange halves; every rank then holds the same ``a``, ``b`` and takes the
@@ -240,7 +240,7 @@ def worker_train(rank: int, world_size: int, model: nn.Module, task, kwargs: dic
                            args["base_batch"], args["target"], args["step"],
                            args["lr_scaling"], args["max_batch"], args["decay"],
                            args["micro"], world_size, args["target_loss"])
-    from parlearn.dist import ledger
+    from parlearn.distributed import ledger
 
     probe = _HalfProbe(model, world_size)
     last: dict = {}

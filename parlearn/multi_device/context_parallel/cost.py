@@ -2,8 +2,8 @@
 
 Notation: ``b`` batch, ``S`` sequence, ``H`` heads of width ``d`` (``h = H d``), ``N``
 ranks, ``e`` bytes per element, ``s = S / N`` the shard (the formulas assume ``N``
-divides ``S``). Payloads are as :func:`parlearn.dist.ledger` counts them; wire bytes are
-what a rank sends under the ring / pairwise schedules (:func:`parlearn.dist.ring_bytes`).
+divides ``S``). Payloads are as :func:`parlearn.distributed.ledger` counts them; wire bytes are
+what a rank sends under the ring / pairwise schedules (:func:`parlearn.distributed.ring_bytes`).
 
 ==========  ==============================================  ===========================
 scheme      forward payload per rank                        messages (forward)
@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 
 from parlearn.core.checks import check_bool, check_choice, check_float, check_int
-from parlearn.dist.cost import AlphaBeta, ring_bytes
+from parlearn.distributed.cost import AlphaBeta, ring_bytes
 
 __all__ = ["COST_SCHEMES", "scheme_cost", "attention_memory", "hiding_shard",
            "timeline_summary"]

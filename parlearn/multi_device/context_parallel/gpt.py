@@ -128,7 +128,7 @@ def cp_train(cfg: GPTConfig, world_size: int = 2, *, steps: int = 3, batch: int 
              scheme: str = "ring", timeout: float = 60) -> list[dict]:
     """Run :func:`cp_train_worker` on ``world_size`` real ranks; one dict per rank, as
     :func:`serial_train` returns."""
-    from parlearn.dist import run
+    from parlearn.distributed import run
 
     world_size = check_int("world_size", world_size, lo=2)
     steps, batch, seq = (check_int(n, v, lo=1) for n, v in

@@ -11,7 +11,7 @@ because they act token by token. The conjugate operators change:
   partial outputs AND leaves each rank its slice of tokens), all-gather backward.
 
 A ring all-reduce IS a reduce-scatter followed by an all-gather, so one block moves the
-same bytes as under plain TP (:func:`parlearn.dist.ring_bytes`: ``2(t-1)/t n`` either way)
+same bytes as under plain TP (:func:`parlearn.distributed.ring_bytes`: ``2(t-1)/t n`` either way)
 while the LayerNorm/dropout activations per rank fall from ``s b h`` to ``s b h / t``.
 Tensors here are sequence-first ``(s, b, h)`` as in Megatron, and the sequence must divide
 by ``t`` (the gather concatenates equal slices).
@@ -148,7 +148,7 @@ def sp_block_worker(rank: int, world_size: int, seq: int, batch: int, d_model: i
         parallelize_module,
     )
 
-    from parlearn.dist import ledger
+    from parlearn.distributed import ledger
     from parlearn.multi_device.context_parallel.workers import saved_bytes
 
     full = serial_block(d_model, d_hidden, seed)

@@ -54,7 +54,7 @@ def attention_worker(rank: int, world_size: int, scheme: str, seq: int, batch: i
     (the last run's timeline is kept). Returns its output rows and gradient shards (CPU),
     ledger summaries of forward and backward, the timeline (ring only) and the bytes
     autograd saved for backward in forward (:func:`saved_bytes`)."""
-    from parlearn.dist import ledger
+    from parlearn.distributed import ledger
 
     idx = shard_index(seq, world_size, rank, layout)
     q, k, v, w = (t[..., idx, :].clone() for t in
@@ -83,7 +83,7 @@ def attention_check(scheme: str, world_size: int, seq: int, *, batch: int = 1, h
     attention in this process. Returns ``{"o", "dq", "dk", "dv"}`` (largest absolute
     errors over all ranks), ``"ranks"`` (each rank's raw result) and ``"saved_full"``
     (bytes full attention saves for backward in one process)."""
-    from parlearn.dist import run
+    from parlearn.distributed import run
 
     check_choice("scheme", scheme, SCHEMES)
     world_size = check_int("world_size", world_size, lo=1)

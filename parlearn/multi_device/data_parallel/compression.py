@@ -329,7 +329,7 @@ def compressed_all_reduce_time(numel: int, world_size: int, model, *,
                                quantize_s: float = 0.0, dequantize_s: float = 0.0,
                                error_feedback: bool = False) -> float:
     """Modeled seconds of :func:`compressed_all_reduce` on ``numel`` elements: the four
-    collectives it issues, each by ``parlearn.dist.collective_time`` (ring; ``model`` one
+    collectives it issues, each by ``parlearn.distributed.collective_time`` (ring; ``model`` one
     AlphaBeta, or a mapping with a link fitted for each of all_to_all and all_gather):
     ``all_to_all_single`` and ``all_gather_single`` of ``n = N * ceil(numel / N)`` code
     bytes, and the same two of ``4 N`` scale bytes; plus its coding, ``n (1 + 1/N)
@@ -338,7 +338,7 @@ def compressed_all_reduce_time(numel: int, world_size: int, model, *,
     ``error_feedback`` also its n elements and its chunk for the residuals, ``n (1 +
     1/N)`` more), with ``quantize_s`` and ``dequantize_s`` seconds per element (measured
     by :func:`coding_seconds`; 0 leaves the coding out)."""
-    from parlearn.dist import collective_time
+    from parlearn.distributed import collective_time
 
     numel = check_int("numel", numel, lo=1)
     world_size = check_int("world_size", world_size, lo=1)
@@ -407,7 +407,7 @@ def crossover_bandwidth(numel: int, world_size: int, alpha: float, *,
     both times are ``a + b beta`` (:func:`compressed_all_reduce_time` with its coding, and
     ``collective_time("all_reduce", 4 numel)``), equal at ``beta* = (a8 - a32) / (b32 -
     b8)``; returns ``1 / beta*`` (``inf`` when 8-bit wins at any bandwidth)."""
-    from parlearn.dist import AlphaBeta, collective_time
+    from parlearn.distributed import AlphaBeta, collective_time
 
     numel = check_int("numel", numel, lo=1)
     world_size = check_int("world_size", world_size, lo=2)
@@ -434,7 +434,7 @@ def modeled_step_ratio(numel: int, world_size: int, link, *, compute_s: float,
     compressed_all_reduce_time(numel, ..., quantize_s, dequantize_s))``; above 1 the
     8 bits pay. The fp32 all-reduce is one message of all gradients (nothing overlapped),
     as the 8-bit one is."""
-    from parlearn.dist import collective_time
+    from parlearn.distributed import collective_time
 
     compute_s = check_float("compute_s", compute_s, lo=0)
     t32 = compute_s + collective_time("all_reduce", 4 * numel, world_size, link)

@@ -19,7 +19,7 @@ the next synchronised backward averages the accumulated sum). Every trainable pa
 must receive a gradient in each synchronised backward, as with DDP's default
 ``find_unused_parameters=False``. :func:`train_reference` is the single-process
 reference they are tested against, :func:`dp_step_model` the alpha-beta cost model of
-one step. :func:`worker_train` runs them on real ranks under :func:`parlearn.dist.run`;
+one step. :func:`worker_train` runs them on real ranks under :func:`parlearn.distributed.run`;
 the measurement workers of lesson 11 and the bench live in
 :mod:`parlearn.data_parallel.workers`.
 """
@@ -51,7 +51,7 @@ class _DataParallel(nn.Module):
         self.record = record
         if not tdist.is_initialized():
             raise RuntimeError("data parallel wrappers need an initialised process group "
-                               "(run the worker with parlearn.dist.run or torchrun)")
+                               "(run the worker with parlearn.distributed.run or torchrun)")
         self.module = module
         self.group = group
         self.world_size = tdist.get_world_size(group)
@@ -348,7 +348,7 @@ def train_reference(model: nn.Module, xs: Sequence[torch.Tensor], ys: Sequence[t
 def worker_train(rank: int, world_size: int, kind: str, model: nn.Module, xs, ys, lr: float,
                  optimizer: str = "sgd", accum: int = 1, bucket_bytes: int = 2048
                  ) -> dict:
-    """A :func:`parlearn.dist.run` worker: train ``model`` (rank's shard of each batch,
+    """A :func:`parlearn.distributed.run` worker: train ``model`` (rank's shard of each batch,
     ``accum`` micro-batches per step with ``no_sync`` on all but the last) wrapped by
     ``kind`` in ``("naive", "bucketed", "ddp")``; returns the parameters after each step,
     the wrapper's event log and the bucket layout."""
@@ -369,7 +369,7 @@ def worker_train(rank: int, world_size: int, kind: str, model: nn.Module, xs, ys
 
 
 # ---------------------------------------------------------------------------------------
-# Cost model of one data-parallel step (alpha-beta, from parlearn.dist).
+# Cost model of one data-parallel step (alpha-beta, from parlearn.distributed).
 
 @dataclass(frozen=True)
 class DPStepModel:
@@ -392,7 +392,7 @@ def dp_step_model(param_bytes: Sequence[int], world_size: int, model, *,
     """Modeled time of one data-parallel step (Li et al. 2020's overlap, alpha-beta comm).
 
     ``param_bytes`` are the gradient sizes in registration order; ``model`` is a
-    :class:`parlearn.dist.AlphaBeta`; one all-reduce of ``n`` bytes on N ranks takes
+    :class:`parlearn.distributed.AlphaBeta`; one all-reduce of ``n`` bytes on N ranks takes
     ``t(n) = collective_time("all_reduce", n, N)`` (ring: ``2(N-1) alpha + 2(N-1)/N n
     beta``). Forward takes ``T_f = (1 - backward_fraction) * compute_seconds``, backward
     ``T_b`` the rest, and produces gradients in reverse order at a rate proportional to
@@ -409,7 +409,7 @@ def dp_step_model(param_bytes: Sequence[int], world_size: int, model, *,
     Nothing else is modeled: no contention between compute and communication, no
     optimizer step, no copies into bucket buffers.
     """
-    from parlearn.dist import AlphaBeta, collective_time
+    from parlearn.distributed import AlphaBeta, collective_time
 
     sizes = [check_int("param_bytes[i]", int(b), lo=1) for b in param_bytes]
     if not sizes:

@@ -27,14 +27,14 @@ from dataclasses import dataclass
 import torch.distributed as tdist
 
 from parlearn.core.checks import check_callable, check_float, check_int
-from parlearn.dist import AlphaBeta, collective_time, ring_bytes
-from parlearn.dist.traffic import replace_collective
+from parlearn.distributed import AlphaBeta, collective_time, ring_bytes
+from parlearn.distributed.traffic import replace_collective
 
 __all__ = ["EMULATED_KINDS", "Charge", "EmulatedLink", "emulated_link", "emulated_bandwidths",
            "plot_check"]
 
 # collective -> (positional index, keyword) of its payload, counted as the ledger counts it
-# (parlearn.dist.ledger): the tensor for all_reduce and broadcast, the input of all_to_all
+# (parlearn.distributed.ledger): the tensor for all_reduce and broadcast, the input of all_to_all
 # and reduce_scatter, the gathered output of all_gather.
 _PAYLOAD = {"all_reduce": (0, "tensor"), "broadcast": (0, "tensor"),
             "all_to_all_single": (1, "input"), "all_gather_single": (0, "output"),
@@ -129,7 +129,7 @@ def emulated_link(alpha: float, bandwidth: float, *,
     is recorded in the yielded :class:`EmulatedLink` (``N`` is the size of the ``group``
     passed by keyword, else the world). Other collectives pass uncharged, and so do those
     torch issues from C++ (DDP's own buckets). Links do not nest. A
-    :func:`parlearn.dist.ledger` may be opened inside the block (its records then time
+    :func:`parlearn.distributed.ledger` may be opened inside the block (its records then time
     the emulated delay too) or around it (they time the real collective only). ``sleep``
     is for tests."""
     link = EmulatedLink(alpha, bandwidth, sleep=sleep)
@@ -137,7 +137,7 @@ def emulated_link(alpha: float, bandwidth: float, *,
         raise RuntimeError("an emulated link is already active on this process")
     if not tdist.is_initialized():
         raise RuntimeError("emulated_link needs an initialised process group "
-                           "(run the worker with parlearn.dist.run)")
+                           "(run the worker with parlearn.distributed.run)")
     saved = []
     for kind in EMULATED_KINDS:
         original = getattr(tdist, kind)

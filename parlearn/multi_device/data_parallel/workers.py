@@ -1,10 +1,10 @@
 """Data parallelism measured on real ranks: lesson 11's workers and the bench rows.
 
-Each ``worker_*`` function runs under :func:`parlearn.dist.run` (one call per rank);
+Each ``worker_*`` function runs under :func:`parlearn.distributed.run` (one call per rank);
 the engines themselves are in :mod:`parlearn.data_parallel.ddp`, the 8-bit all-reduce in
 :mod:`parlearn.data_parallel.compression`. Everything measured here is wall-clock time on the ranks
 of this machine; everything modeled comes from ``dp_step_model`` and the alpha-beta
-model of :mod:`parlearn.dist`.
+model of :mod:`parlearn.distributed`.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def worker_step_time(rank: int, world_size: int, kinds: Sequence[str], widths: S
     are not seen by the ledger). ``link`` = ``(alpha, bandwidth)`` runs the steps on an
     EMULATED slow link (:func:`parlearn.data_parallel.slow_link.emulated_link`); each
     kind's ``charged`` then holds the link's wire bytes and seconds of its last step."""
-    from parlearn.dist import ledger
+    from parlearn.distributed import ledger
     from parlearn.multi_device.data_parallel.slow_link import emulated_link
 
     kinds = list(kinds)
@@ -122,7 +122,7 @@ def worker_digits(rank: int, world_size: int, method: str, data, steps: int, bat
     ledger's payload bytes of the last step by kind (PowerSGD's hook sends plain fp32 in
     its first 2 steps). The comm hooks, torch's and ours, issue their collectives from
     Python, so the ledger sees them; plain DDP without a hook is not used here."""
-    from parlearn.dist import ledger
+    from parlearn.distributed import ledger
     from parlearn.multi_device.data_parallel.compression import Dettmers8HookState, dettmers8_hook
 
     check_choice("method", method, DIGITS_METHODS)
@@ -213,7 +213,7 @@ def worker_slow_link(rank: int, world_size: int, widths: Sequence[int], batch: i
     local, fp32 one-bucket and 8-bit steps on that EMULATED link."""
     import torch.distributed as tdist
 
-    from parlearn.dist import AlphaBeta
+    from parlearn.distributed import AlphaBeta
     from parlearn.multi_device.data_parallel.slow_link import emulated_bandwidths
 
     numel = sum(mlp_param_bytes(widths)) // 4
@@ -258,7 +258,7 @@ def slow_link_check(widths: Sequence[int], real, *, coding: tuple[float, float] 
     pays nowhere or everywhere) holds only ``bandwidth`` and ``skipped``, the reason."""
     import statistics
 
-    from parlearn.dist import AlphaBeta, ring_bytes, run
+    from parlearn.distributed import AlphaBeta, ring_bytes, run
     from parlearn.multi_device.data_parallel.compression import modeled_step_ratio
 
     if not isinstance(real, AlphaBeta):
@@ -305,7 +305,7 @@ def bench(device: torch.device, quick: bool) -> list:
     whose per-element seconds enter the modeled 8-bit step. ``device`` is not used: gloo
     ranks run on the CPU."""
     from parlearn.core.bench import Row
-    from parlearn.dist import AlphaBeta, measure_links, ring_bytes, run
+    from parlearn.distributed import AlphaBeta, measure_links, ring_bytes, run
     from parlearn.multi_device.data_parallel.compression import (
         coding_seconds,
         compressed_all_reduce_time,

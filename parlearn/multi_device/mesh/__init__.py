@@ -14,7 +14,7 @@ module              what it holds
                     error
 ==================  ======================================================================
 
-The hardware card the planner reads is :mod:`parlearn.card` (``parlearn.dist.card``).
+The hardware card the planner reads is :mod:`parlearn.card` (``parlearn.distributed.card``).
 """
 
 from parlearn.multi_device.mesh.composed import (

@@ -221,7 +221,7 @@ def mesh_train_worker(rank: int, world_size: int, cfg: GPTConfig, shape: MeshSha
     bytes, and one step's collectives per axis (from the ledger)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parlearn.dist import ledger
+    from parlearn.distributed import ledger
     from parlearn.multi_device.sharding import ShardedAdam
 
     mesh = init_device_mesh("cpu", shape.dims, mesh_dim_names=AXES)
@@ -316,7 +316,7 @@ def mesh_train(cfg: GPTConfig, shape: MeshShape, *, steps: int = 3, batch: int =
                schedule_kind: str = "1f1b", timeout: float = 60) -> list[dict]:
     """Train ``cfg``'s GPT (float64, Adam) for ``steps`` on ``shape.world`` real gloo ranks
     laid out as ``shape``; one dict per rank (:func:`mesh_train_worker`)."""
-    from parlearn.dist import run
+    from parlearn.distributed import run
 
     steps, batch, seq = (check_int(n, v, lo=1) for n, v in
                          (("steps", steps), ("batch", batch), ("seq", seq)))

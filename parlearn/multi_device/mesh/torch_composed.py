@@ -83,7 +83,7 @@ def torch_mesh_train(cfg: GPTConfig, dp: int, tp: int, *, steps: int = 3, batch:
                      seq: int = 16, lr: float = 1e-2, seed: int = 0,
                      timeout: float = 60) -> list[dict]:
     """Run :func:`torch_mesh_worker` on ``dp * tp`` gloo ranks; one dict per rank."""
-    from parlearn.dist import run
+    from parlearn.distributed import run
     from parlearn.multi_device.mesh.composed import check_plan
     from parlearn.multi_device.mesh.layout import MeshShape
 

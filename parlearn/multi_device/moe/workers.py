@@ -2,7 +2,7 @@
 
 :func:`layer_check` runs one MoE layer forward and backward on ``world_size`` gloo ranks
 (EP x DP when ``ep < world_size``) against :class:`MoE` ``(groups=world_size)`` in one
-process, float64, and reads the all-to-all bytes from :func:`parlearn.dist.ledger`.
+process, float64, and reads the all-to-all bytes from :func:`parlearn.distributed.ledger`.
 :func:`train_check` trains the MoE-GPT a few AdamW steps both ways, step by step. The
 functions named ``*_worker`` run on the ranks.
 """
@@ -14,7 +14,7 @@ import copy
 import torch
 
 from parlearn.core.checks import check_int
-from parlearn.dist import ledger, run
+from parlearn.distributed import ledger, run
 from parlearn.multi_device.moe.layer import MoE, aux_loss, moe_gpt
 from parlearn.multi_device.moe.parallel import (
     ExpertParallelMoE,

@@ -6,7 +6,7 @@ receive the activation from ``s-1``, compute, send to ``s+1``) and ``B m`` (back
 receive the output gradient from ``s+1``, compute, send the input gradient to ``s-1``).
 
 One source of truth. :func:`schedule` lists, for every rank, the order of its operations;
-the real ranks (:func:`run_pipeline`, through :func:`parlearn.dist.run`) execute exactly that
+the real ranks (:func:`run_pipeline`, through :func:`parlearn.distributed.run`) execute exactly that
 list, and the simulator (:func:`simulate`) draws the timeline of the same list from
 per-stage costs (modeled).
 

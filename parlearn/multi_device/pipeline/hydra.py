@@ -92,7 +92,7 @@ def hydra_train(models: Sequence[nn.Sequential], data: Sequence[tuple[torch.Tens
         _check_ties(model, bounds)
         specs_in.append([specs[a] for a, _ in bounds])
     m = check_int("micro_batches", micro_batches, lo=1, hi=min(len(x) for x, _ in data))
-    from parlearn import dist
+    from parlearn import distributed as dist
 
     _preimport()
     per_rank = dist.run(_worker_hydra, stages,

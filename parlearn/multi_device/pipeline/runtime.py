@@ -2,7 +2,7 @@
 
 The model is an ``nn.Sequential`` of layers (:func:`make_model`, one element per layer: the
 unit a partition cuts at) and :func:`reference_grads` the single-process reference.
-:func:`run_pipeline` puts stage ``s`` on rank ``s`` of :func:`parlearn.dist.run`, which
+:func:`run_pipeline` puts stage ``s`` on rank ``s`` of :func:`parlearn.distributed.run`, which
 executes ``schedule(kind, P, M)[s]`` op by op (:class:`_Stage`), and returns the gradients
 (equal to the reference to round-off), the measured timeline and its bubble
 (:func:`measured_bubble`); :func:`stage_op_costs` turns the timeline into per-stage costs
@@ -342,7 +342,7 @@ def run_pipeline(kind: str, model: nn.Sequential, x: torch.Tensor, y: torch.Tens
                  counts: Sequence[int] | None = None, verbose: bool = False,
                  timeout: float = 30) -> PipelineRun | list[PipelineRun]:
     """One training step of ``model`` (an ``nn.Sequential`` of layers) on ``(x, y)`` with
-    schedule ``kind`` on ``stages`` real ranks (:func:`parlearn.dist.run`), ``counts[s]``
+    schedule ``kind`` on ``stages`` real ranks (:func:`parlearn.distributed.run`), ``counts[s]``
     layers on stage ``s`` (default :func:`partition_equal`), the batch cut into
     ``micro_batches`` (``torch.tensor_split``). The loss is the full-batch
     ``sum((model(x) - y)^2) / len(x)``. Any layers that map rows to rows will do (a stage
@@ -352,14 +352,14 @@ def run_pipeline(kind: str, model: nn.Sequential, x: torch.Tensor, y: torch.Tens
     op with its time on its rank (a text timeline). A sequence of micro-batch counts runs
     them all in one launch and returns a list. ``timeout`` is the group's per-message
     timeout; the whole run is stopped after ``4 * timeout`` seconds
-    (:class:`parlearn.dist.RankError`)."""
+    (:class:`parlearn.distributed.RankError`)."""
     check_choice("kind", kind, SCHEDULES)
     stages, counts, specs = _check_pipeline_args(model, x, y, stages, counts)
     bounds = split_layers(len(model), counts)
     _check_ties(model, bounds)
     ms, single = _micro_list(micro_batches, len(x))
     check_bool("verbose", verbose)
-    from parlearn import dist
+    from parlearn import distributed as dist
 
     _preimport()
     per_rank = dist.run(_worker_schedule, stages,

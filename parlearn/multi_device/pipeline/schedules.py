@@ -2,7 +2,7 @@
 
 One source of truth. :func:`schedule` lists, for every rank, the order of its operations;
 the real ranks (:func:`parlearn.multi_device.pipeline.runtime.run_pipeline`, through
-:func:`parlearn.dist.run`) execute exactly that list, and the simulator
+:func:`parlearn.distributed.run`) execute exactly that list, and the simulator
 (:func:`parlearn.multi_device.pipeline.simulator.simulate`) draws the timeline of the same
 list from per-stage costs (modeled). Schedules:
 

@@ -73,7 +73,7 @@ def run_torch_pipeline(kind: str, model: nn.Sequential, x: torch.Tensor, y: torc
     stages, counts, _ = _check_pipeline_args(model, x, y, stages, counts)
     _check_ties(model, split_layers(len(model), counts))
     ms, single = _micro_list(micro_batches, len(x))
-    from parlearn import dist
+    from parlearn import distributed as dist
 
     _preimport()
     import torch.distributed.pipelining  # noqa: F401  (imported once here, not per rank)
@@ -140,7 +140,7 @@ def run_torch_zoo(name: str, model: nn.Sequential, x: torch.Tensor, y: torch.Ten
     _check_ties(model, chunk_layers(len(model), Schedule([[] for _ in range(stages)], name,
                                                          stages, 1, 2, TORCH_ZOO[name][1])))
     ms, single = _micro_list(micro_batches, len(x))
-    from parlearn import dist
+    from parlearn import distributed as dist
 
     _preimport()
     import torch.distributed.pipelining  # noqa: F401

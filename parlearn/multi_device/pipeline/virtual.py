@@ -3,7 +3,7 @@
 :func:`run_schedule` cuts the model into ``P * v`` virtual stages of equal layer counts,
 gives rank ``r`` the chunks :meth:`Schedule.stage_of` says, and has every rank execute
 its op list with blocking ``recv`` and asynchronous ``isend`` through
-:func:`parlearn.dist.run` (gloo). The activation of virtual stage ``g`` goes to whichever
+:func:`parlearn.distributed.run` (gloo). The activation of virtual stage ``g`` goes to whichever
 rank holds ``g+1`` (the next rank in the loop placement; in the V placement the same rank
 at the turn, where it is handed over in memory, not sent); the gradient goes back the same
 way. An overlapped F&B group (DualPipe-V) runs as its F, then its B and W: our
@@ -186,7 +186,7 @@ def run_schedule(scheds: Schedule | Sequence[Schedule], model: nn.Sequential,
         _check_ties(model, chunk_layers(len(model), s))
         if s.micro_batches > len(x):
             raise ValueError(f"micro_batches={s.micro_batches} is more than the {len(x)} rows")
-    from parlearn import dist
+    from parlearn import distributed as dist
 
     _preimport()
     per_rank = dist.run(_worker, world, args=(scheds, model, x, y, specs), backend="gloo",

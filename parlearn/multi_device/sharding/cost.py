@@ -85,7 +85,7 @@ def gpus_needed(n_params: int, gpu_bytes: float, stage: int,
 
 def ledger_wire_bytes(records: Sequence[tuple[str, int]], world_size: int) -> float:
     """Ring bytes sent per rank for ``(kind, payload)`` records (:func:`dist.ring_bytes`)."""
-    from parlearn import dist
+    from parlearn import distributed as dist
 
     return sum(dist.ring_bytes(kind, nbytes, world_size) for kind, nbytes in records)
 

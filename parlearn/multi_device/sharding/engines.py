@@ -62,7 +62,7 @@ def _worker_engine(rank: int, world_size: int, spec: Spec, engine: str) -> dict:
         def state_numel() -> int:
             return sum(s["exp_avg"].to_local().numel() + s["exp_avg_sq"].to_local().numel()
                        for s in opt.state.values())
-    from parlearn import dist
+    from parlearn import distributed as dist
 
     out: dict = {"params": [flat()], "losses": [], "records": []}
     for step in range(spec.steps):
@@ -97,7 +97,7 @@ def train_engine(spec: Spec, engine: str, world_size: int = 2, *, timeout: float
     seen), ``held`` (bytes after the last step; Adam's step counters left out) and
     ``state_numel``.
     """
-    from parlearn import dist
+    from parlearn import distributed as dist
 
     check_choice("engine", engine, ("zero", "fsdp2"))
     check_int("world_size", world_size, lo=1)

@@ -6,7 +6,7 @@ equals step by step; :func:`train_sharded`, :func:`measure_memory` and :func:`st
 run :class:`parlearn.multi_device.sharding.zero.ShardedAdam` on real ranks; the bench rows
 are at the end.
 
-Workers run under :func:`parlearn.dist.run` (or ``torchrun``: each worker only needs an
+Workers run under :func:`parlearn.distributed.run` (or ``torchrun``: each worker only needs an
 initialised process group). The runners here put CPU tensors on gloo ranks, also on a
 machine with GPUs. float64 is used where exactness is the point.
 """
@@ -137,7 +137,7 @@ def _local_batch(spec: Spec, rank: int, world_size: int, step: int):
 
 def _worker_train(rank: int, world_size: int, spec: Spec, stage: int) -> dict:
     """One rank of :func:`train_sharded`: params, loss, bytes sent and bytes held per step."""
-    from parlearn import dist
+    from parlearn import distributed as dist
 
     model = spec.model()
     opt = ShardedAdam(model, stage=stage, lr=spec.lr)
@@ -176,11 +176,11 @@ def train_sharded(spec: Spec, stage: int, world_size: int = 2, *, timeout: float
 
     Returns one dict per rank: ``params`` (full flat parameters, initial then after each
     step), ``losses`` (the rank's local loss), ``records`` (per step, the ``(kind, payload
-    bytes)`` of every collective the step issued, from :func:`parlearn.dist.ledger`),
+    bytes)`` of every collective the step issued, from :func:`parlearn.distributed.ledger`),
     ``held`` (per step, :meth:`ShardedAdam.held_bytes` after the step), ``state_numel``,
     ``padded_numel`` and ``n_params``.
     """
-    from parlearn import dist
+    from parlearn import distributed as dist
 
     check_choice("stage", stage, STAGES)
     check_int("world_size", world_size, lo=1)
@@ -210,7 +210,7 @@ def measure_memory(spec: Spec, world_size: int = 2, *, timeout: float = 60) -> l
     One dict per rank: ``{stage: {"params", "grads", "optimizer", "total"}, "padded_numel"}``,
     measured with :func:`storage_bytes` on what :class:`ShardedAdam` keeps between steps.
     """
-    from parlearn import dist
+    from parlearn import distributed as dist
 
     check_int("world_size", world_size, lo=1)
     return dist.run(_worker_memory, world_size, args=(spec,), backend="gloo", timeout=timeout)
@@ -260,7 +260,7 @@ def step_times(spec: Spec, world_size: int = 2, *, repeat: int = 5,
     local batch, one intra-op thread): ``times`` (medians), ``quartiles`` (first and third,
     seconds), ``reliable``, and ``held`` (the bytes each stage holds) with ``padded_numel``.
     """
-    from parlearn import dist
+    from parlearn import distributed as dist
 
     check_int("world_size", world_size, lo=1)
     check_int("repeat", repeat, lo=1)

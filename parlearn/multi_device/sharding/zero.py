@@ -178,7 +178,7 @@ class ShardedAdam:
         self.eps = check_float("eps", eps, lo=0)
         if not tdist.is_initialized():
             raise RuntimeError("ShardedAdam needs an initialised process group: run it inside "
-                               "parlearn.dist.run(...) or under torchrun")
+                               "parlearn.distributed.run(...) or under torchrun")
         self.group = group
         self.world_size = tdist.get_world_size(group)
         self.rank = tdist.get_rank(group)

@@ -92,7 +92,7 @@ def halo_conv_worker(rank: int, world_size: int, batch: int, c_in: int, c_out: i
     loss ``<conv(x), w>`` (this rank's block of it). Returns CPU tensors: this rank's block
     of the output and of ``dx``, the (all-reduced) weight and bias gradients, and the
     ledger of the forward and backward collectives."""
-    from parlearn.dist import ledger
+    from parlearn.distributed import ledger
 
     full = serial_conv(c_in, c_out, kernel, seed)
     x, w = _conv_inputs(batch, c_in, c_out, length, seed)
@@ -114,7 +114,7 @@ def halo_conv_check(world_size: int, batch: int = 2, c_in: int = 3, c_out: int =
     unsharded convolution in this process. Returns ``{"y", "dx", "dw", "db"}``: the largest
     absolute difference of each (blocks joined in rank order; the weight and bias
     gradients of every rank), and ``"ledger"``: every rank's ledger summaries."""
-    from parlearn.dist import run
+    from parlearn.distributed import run
 
     world_size = check_int("world_size", world_size, lo=1)
     length = check_int("length", length, lo=1)
@@ -140,7 +140,7 @@ def bench(device: torch.device, quick: bool) -> list:
     the cost model (``ratio`` = counted bytes / modeled bytes; 1.0 is agreement). Bytes do
     not depend on the device, so every row runs on the CPU whatever ``device`` is (the
     rows name where they ran): the Megatron block on 2 gloo ranks (payloads from
-    :func:`parlearn.dist.ledger`, forward plus backward), the spatially split convolution
+    :func:`parlearn.distributed.ledger`, forward plus backward), the spatially split convolution
     on 3 gloo ranks against the planner's spatial cut (:class:`Conv`), and the plan
     :func:`best_one_cut` picks for two networks on a JAX mesh of 8 fake CPU devices
     (payloads from the compiled HLO). No times are claimed."""

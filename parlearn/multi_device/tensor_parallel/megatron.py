@@ -201,7 +201,7 @@ def megatron_worker(rank: int, world_size: int, batch: int, d_model: int, d_hidd
         parallelize_module,
     )
 
-    from parlearn.dist import ledger
+    from parlearn.distributed import ledger
 
     full = serial_mlp(d_model, d_hidden, seed, activation=activation)
     x, w = _inputs(batch, d_model, seed, torch.float64)
@@ -238,7 +238,7 @@ def megatron_check(world_size: int, batch: int = 4, d_model: int = 8, d_hidden: 
     ``{"scratch": err, "dtensor": err, "ledger": rank 0's ledger summaries}`` where ``err``
     is the largest absolute difference over the output and every gradient (shards
     reassembled in rank order), over all ranks."""
-    from parlearn.dist import run
+    from parlearn.distributed import run
 
     world_size = check_int("world_size", world_size, lo=1)
     full = serial_mlp(d_model, d_hidden, seed, activation=activation)

@@ -18,7 +18,7 @@ A cut fixes the tiling its input needs and the tiling its output leaves (``r`` r
 split, ``c`` features/channels split, ``s`` positions split, ``R`` replicated); between
 layers a conversion re-tiles the activation and the adjoint conversion re-tiles its
 gradient. The cost of a plan (:func:`plan_cost`) is the ring bytes each group sends
-(:func:`parlearn.dist.cost.ring_bytes`) over all of them: a sum of per-layer terms and of
+(:func:`parlearn.distributed.cost.ring_bytes`) over all of them: a sum of per-layer terms and of
 terms between neighbours, so a dynamic program over the chain finds the optimum
 (:func:`best_one_cut`; serial reference :func:`brute_force_cut`). Biases are ignored.
 
@@ -209,7 +209,7 @@ def _conversion(src: str, dst: str, size: int, groups: int) -> list[tuple[str, s
 
 
 def _cost(items) -> float:
-    from parlearn.dist.cost import ring_bytes
+    from parlearn.distributed.cost import ring_bytes
 
     return float(sum(ring_bytes(k, n, g) for g, (*_, k, n) in items))
 
@@ -260,7 +260,7 @@ def plan_collectives(cuts: Sequence[str], batch: int, net: Sequence, groups: int
 def plan_cost(cuts: Sequence[str], batch: int, net: Sequence, groups: int = 2,
               itemsize: int = 4) -> float:
     """Bytes each group sends in one step under ``cuts``: the ring bytes
-    (:func:`parlearn.dist.cost.ring_bytes`) of every collective of :func:`plan_collectives`
+    (:func:`parlearn.distributed.cost.ring_bytes`) of every collective of :func:`plan_collectives`
     (a halo ``send`` counts its payload once)."""
     groups = check_int("groups", groups, lo=2)
     return _cost((groups, t) for t in plan_collectives(cuts, batch, net, groups, itemsize))

@@ -25,7 +25,7 @@ computed with its weights after ``t-1`` in either order. That is why local learn
 run as a pipeline with **no staleness** and no flush.
 
 The parallel version (:func:`run_local`) puts one block (and its head) on each real rank
-(:func:`parlearn.dist.run`, gloo): rank ``k`` receives minibatch ``t``'s activation from
+(:func:`parlearn.distributed.run`, gloo): rank ``k`` receives minibatch ``t``'s activation from
 rank ``k-1``, runs its forward, sends the output on, then its local backward and update,
 while rank ``k+1`` is busy with ``t-1``. No message goes backwards. It equals
 :func:`train` (float64, to round-off) and records per-rank timelines.
@@ -306,8 +306,8 @@ def run_local(net: LocalNet, x: torch.Tensor, y: torch.Tensor, *, epochs: int = 
     ``K = len(net.blocks)`` real gloo ranks, one block and its head per rank; returns a
     trained copy. Same minibatches and arithmetic as ``train(net, x, y, "heads", ...)``,
     which it equals to round-off. ``timeout`` is the group's per-message timeout; the run
-    is stopped after ``4 * timeout + 60`` seconds (:class:`parlearn.dist.RankError`)."""
-    from parlearn import dist
+    is stopped after ``4 * timeout + 60`` seconds (:class:`parlearn.distributed.RankError`)."""
+    from parlearn import distributed as dist
     from parlearn.multi_device.pipeline import _preimport, measured_bubble
 
     lr, weight_decay = _check_train(net, x, y, "heads", lr, weight_decay)

@@ -13,7 +13,7 @@ scheduler (rank 0) knows the column correlations. Then every round:
    to ``w_S`` and subtracts ``X_p[:, S] delta_S`` from its own residual.
 
 Two messages a round: the schedule and the sums. :func:`run_ranks` launches it through
-:func:`parlearn.dist.run` and returns rank 0's record, with its wall clock per round.
+:func:`parlearn.distributed.run` and returns rank 0's record, with its wall clock per round.
 """
 
 from __future__ import annotations
@@ -96,10 +96,10 @@ def run_ranks(x: torch.Tensor, y: torch.Tensor, alpha: float, *, world_size: int
               seed: int = 0, replay: list[list[int]] | None = None,
               timeout: float = 60) -> LassoRun:
     """:func:`~parlearn.serial_chain.strads.solver.solve`'s rounds on ``world_size`` gloo
-    ranks (:func:`parlearn.dist.run`), rows sharded; arguments as there. Returns rank 0's
+    ranks (:func:`parlearn.distributed.run`), rows sharded; arguments as there. Returns rank 0's
     :class:`LassoRun` (``seconds``: rank 0's wall clock, measured from a barrier after the
     set-up). Raises ``RuntimeError`` if the ranks' final ``w`` are not identical."""
-    from parlearn.dist import run
+    from parlearn.distributed import run
 
     x, y, alpha = check_problem(x, y, alpha)
     world_size = check_int("world_size", world_size, lo=1, hi=x.shape[0])

@@ -1,6 +1,6 @@
 """Run k ranks of a real ``torch.distributed`` group from a notebook.
 
-    from parlearn.dist import collectives, run
+    from parlearn.distributed import collectives, run
     run(collectives.hello, world_size=2)      # [(0, 2, 'gloo'), (1, 2, 'gloo')]
 
 :func:`run` starts ``world_size`` processes, joins them into one process group (gloo on
@@ -25,7 +25,7 @@ Rendezvous needs no fixed port: the caller holds a ``TCPStore`` bound to a free 
 (port 0) for the length of one run, and the ranks meet in a ``PrefixStore`` unique to it.
 
 The same workers run unchanged under ``torchrun`` on real GPUs (one process per GPU,
-NCCL), through :mod:`parlearn.dist.__main__`::
+NCCL), through :mod:`parlearn.distributed.__main__`::
 
     torchrun --standalone --nproc_per_node 8 -m parlearn.dist parlearn.collectives:ring_check 1000
 """

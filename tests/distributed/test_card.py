@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from parlearn import card
-from parlearn.dist.cost import AlphaBeta, collective_time
+from parlearn.distributed.cost import AlphaBeta, collective_time
 
 SIZES = [64, 1024, 16384, 262144, 4194304]
 

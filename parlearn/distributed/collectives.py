@@ -16,7 +16,7 @@ in all, whatever ``N`` is: this is why the ring is bandwidth-optimal, and why al
 is a reduce-scatter followed by an all-gather. Sizes not divisible by ``N`` use
 ``torch.tensor_split`` chunks (the first ``numel % N`` chunks one element longer).
 
-Every function here is a worker-side call (inside :func:`parlearn.dist.run` or under
+Every function here is a worker-side call (inside :func:`parlearn.distributed.run` or under
 ``torchrun``) on the default process group; the serial reference of an all-reduce is the
 sum of the ranks' tensors, which the tests and the lesson compute in the caller.
 """
@@ -30,8 +30,8 @@ import torch
 import torch.distributed as tdist
 
 from parlearn.core.checks import check_choice, check_int, check_tensor
-from parlearn.dist.launch import device_for
-from parlearn.dist.traffic import ledger
+from parlearn.distributed.launch import device_for
+from parlearn.distributed.traffic import ledger
 
 __all__ = ["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "hello", "rank_tensor",
            "ring_vs_torch", "ring_check", "ring_trace", "ring_ledger", "collectives_demo",
@@ -129,7 +129,7 @@ def ring_all_gather(tensor: torch.Tensor, *, log: list | None = None) -> torch.T
 
 
 # ---------------------------------------------------------------------------------------
-# Workers: called as fn(rank, world_size, *args) by parlearn.dist.run or torchrun.
+# Workers: called as fn(rank, world_size, *args) by parlearn.distributed.run or torchrun.
 
 def hello(rank: int, world_size: int) -> tuple[int, int, str]:
     """Worker: ``(rank, world_size, backend)`` as the process group sees them."""
@@ -311,7 +311,7 @@ def time_collectives(rank: int, world_size: int, kinds: tuple[str, ...], sizes: 
     down to whole elements), ``warmup`` untimed then ``repeat`` timed rounds, the kinds
     interleaved within a round; every call starts after a barrier. ``"send"`` is a round
     trip rank 0 -> 1 -> 0, halved. The payload of ``all_gather`` is its gathered output, of
-    ``reduce_scatter`` and ``all_to_all`` their input (as :func:`parlearn.dist.ledger` counts
+    ``reduce_scatter`` and ``all_to_all`` their input (as :func:`parlearn.distributed.ledger` counts
     them); for these three the elements must divide by ``world_size``.
     Returns ``{kind: {bytes: [seconds]}}`` of this rank."""
 

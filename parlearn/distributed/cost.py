@@ -5,7 +5,7 @@ is the latency paid per message (software, synchronisation, the wire's first byt
 ``beta`` the seconds per byte (1 / bandwidth). A collective is a schedule of such
 messages; counting the steps on the critical path and the bytes each rank sends per step
 gives its time (Thakur, Rabenseifner & Gropp 2005; Chan et al. 2007). With ``N`` ranks
-and ``n`` the payload in bytes as :func:`parlearn.dist.ledger` counts it:
+and ``n`` the payload in bytes as :func:`parlearn.distributed.ledger` counts it:
 
 =================  ===============================  =========================================
 collective         ring                             tree

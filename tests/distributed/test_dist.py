@@ -1,4 +1,4 @@
-"""parlearn.dist: run() on real gloo ranks, the ledger, the ring collectives, the cost model.
+"""parlearn.distributed: run() on real gloo ranks, the ledger, the ring collectives, the cost model.
 
 Every test that starts ranks passes a small group ``timeout`` (and a ``deadline`` where a
 rank may hang outside a collective), so a failure cannot hang the suite.
@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from parlearn import dist
-from parlearn.dist import collectives
-from parlearn.dist.cost import AlphaBeta, collective_time, fit_alpha_beta, ring_bytes
+from parlearn import distributed as dist
+from parlearn.distributed import collectives
+from parlearn.distributed.cost import AlphaBeta, collective_time, fit_alpha_beta, ring_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 T = 20  # group timeout (s) for tests that should succeed; generous for a loaded machine
@@ -365,7 +365,7 @@ def test_fit_pins_a_negative_coefficient_to_zero():
 def test_torchrun_runs_a_library_worker_on_two_cpu_ranks():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "2", "-m", "parlearn.dist", "parlearn.dist.collectives:ring_check", "101"]
+           "2", "-m", "parlearn.distributed", "parlearn.distributed.collectives:ring_check", "101"]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("rank ")]
@@ -463,7 +463,7 @@ def test_plot_collectives_draws_every_collective():
 
 
 def test_ring_receive_buffer_is_kept_between_calls_and_grows():
-    from parlearn.dist.collectives import _scratch
+    from parlearn.distributed.collectives import _scratch
 
     a = _scratch(torch.empty(1000))
     b = _scratch(torch.empty(10))  # a smaller chunk reuses the kept buffer

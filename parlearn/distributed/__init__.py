@@ -1,6 +1,6 @@
 """Real ranks on one machine, what they send, and what that costs.
 
-    from parlearn.dist import collectives, run
+    from parlearn.distributed import collectives, run
     run(collectives.ring_check, world_size=2)
 
 =====================  ====================================================================
@@ -13,15 +13,15 @@ module                 what it holds
 ``measure``            sweeps of real collectives, the fitted alpha-beta, ring vs gloo,
                        the load of other programs, bench rows
 ``card``               a hardware card: measured or modeled alpha-beta, FLOP/s, memory
-``__main__``           ``python -m parlearn.dist`` / ``torchrun -m parlearn.dist``
+``__main__``           ``python -m parlearn.distributed`` / ``torchrun -m parlearn.distributed``
 =====================  ====================================================================
 
 The names a notebook uses are re-exported here. Everything in Parts 1-4 that moves bytes
 between ranks builds on this package; it builds only on :mod:`parlearn.core`.
 """
 
-from parlearn.dist.card import Card
-from parlearn.dist.cost import (
+from parlearn.distributed.card import Card
+from parlearn.distributed.cost import (
     ALGORITHMS,
     KINDS,
     AlphaBeta,
@@ -29,8 +29,8 @@ from parlearn.dist.cost import (
     fit_alpha_beta,
     ring_bytes,
 )
-from parlearn.dist.launch import RankError, default_backend, device_for, run
-from parlearn.dist.measure import (
+from parlearn.distributed.launch import RankError, default_backend, device_for, run
+from parlearn.distributed.measure import (
     DEFAULT_SIZES,
     STUDY_SIZES,
     measure_alpha_beta,
@@ -39,7 +39,7 @@ from parlearn.dist.measure import (
     ring_vs_gloo,
     sweep_collective,
 )
-from parlearn.dist.traffic import Ledger, Record, ledger
+from parlearn.distributed.traffic import Ledger, Record, ledger
 
 __all__ = ["run", "RankError", "device_for", "default_backend", "ledger", "Ledger", "Record",
            "AlphaBeta", "KINDS", "ALGORITHMS", "collective_time", "fit_alpha_beta", "ring_bytes",

@@ -1,4 +1,4 @@
-"""parlearn.dist.measure: the ring-vs-gloo study and the load check (no timed assertions).
+"""parlearn.distributed.measure: the ring-vs-gloo study and the load check (no timed assertions).
 
 The study's times are whatever this machine gives; what is checked is the shape of what it
 returns, that its ratios and quartiles are computed from its own repeats, that both
@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from parlearn.dist import collectives, measure, run
-from parlearn.dist.cost import AlphaBeta, collective_time, fit_alpha_beta
+from parlearn.distributed import collectives, measure, run
+from parlearn.distributed.cost import AlphaBeta, collective_time, fit_alpha_beta
 
 T = 20  # group timeout (s); generous for a loaded machine
 SIZES = [256, 4100]  # bytes: 64 and 1025 float32 (1025 does not split evenly on 2 or 3 ranks)

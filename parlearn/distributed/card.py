@@ -7,7 +7,7 @@
     h100.comm_time("all_reduce", 2**30, 8), h100.compute_time(1e15, "bfloat16")
 
 A :class:`Card` holds alpha and beta per collective and world size (the alpha-beta model of
-:mod:`parlearn.dist.cost`), sustained matmul FLOP/s per dtype, memory bandwidth and
+:mod:`parlearn.distributed.cost`), sustained matmul FLOP/s per dtype, memory bandwidth and
 memory per device. :func:`calibrate` measures them on this machine (real ranks through
 :func:`parlearn.dist.sweep_collective`, fitted by :func:`parlearn.dist.fit_alpha_beta`);
 :func:`preset` returns modeled cards of real clusters, built from datasheets and
@@ -19,7 +19,7 @@ Bandwidth conventions (nccl-tests, ``doc/PERFORMANCE.md``): *algbw* is payload /
 *busbw* rescales it by what a ring moves per rank, ``2(N-1)/N`` for all_reduce and
 ``(N-1)/N`` for all_gather, reduce_scatter and all_to_all, so busbw can be compared with a
 link's speed in ONE direction whatever ``N`` is. For the ring formulas of
-:mod:`parlearn.dist.cost` a large message has busbw = ``1/beta``. Vendor link figures are
+:mod:`parlearn.distributed.cost` a large message has busbw = ``1/beta``. Vendor link figures are
 often bidirectional: NVLink 4's "900 GB/s" is 450 GB/s each way.
 """
 
@@ -44,9 +44,9 @@ from parlearn.core.device import pick_device
 from parlearn.core.device import threads as _threads
 from parlearn.core.settings import is_fast
 from parlearn.core.timing import SPREAD_LIMIT, Timing, measure
-from parlearn.dist.cost import _CANON, KINDS, AlphaBeta, collective_time, fit_alpha_beta
-from parlearn.dist.launch import default_backend
-from parlearn.dist.measure import DEFAULT_SIZES, sweep_collective
+from parlearn.distributed.cost import _CANON, KINDS, AlphaBeta, collective_time, fit_alpha_beta
+from parlearn.distributed.launch import default_backend
+from parlearn.distributed.measure import DEFAULT_SIZES, sweep_collective
 
 __all__ = ["Card", "LINK_KINDS", "DTYPES", "PRESETS", "calibrate", "fit_card", "preset",
            "anchors", "describe", "bus_factor"]
@@ -119,7 +119,7 @@ class Card:
 
     def link(self, kind: str, world_size: int) -> AlphaBeta:
         """The alpha-beta fit for ``kind`` (a link kind or any torch name of
-        :data:`parlearn.dist.cost.KINDS`: "send" is p2p) on ``world_size`` ranks.
+        :data:`parlearn.distributed.cost.KINDS`: "send" is p2p) on ``world_size`` ranks.
 
         The exact ``kind@world_size`` when the card has it; else that kind at the nearest
         world size it has (by ``|N - world_size|``, ties to the larger N: a fit is a line
@@ -139,7 +139,7 @@ class Card:
 
     def comm_time(self, kind: str, nbytes: float, world_size: int) -> float:
         """Seconds of one ``kind`` of ``nbytes`` payload on ``world_size`` ranks:
-        :func:`parlearn.dist.collective_time` with :meth:`link`'s fit; 0.0 on one rank."""
+        :func:`parlearn.distributed.collective_time` with :meth:`link`'s fit; 0.0 on one rank."""
         check_choice("kind", kind, KINDS)
         check_float("nbytes", nbytes, lo=0)
         if check_int("world_size", world_size, lo=1) == 1:

@@ -4,7 +4,7 @@
         torch.distributed.all_reduce(t)
     led.bytes("all_reduce"), led.count(), led.records
 
-Re-exported by :mod:`parlearn.dist`; see :func:`ledger` for what is counted.
+Re-exported by :mod:`parlearn.distributed`; see :func:`ledger` for what is counted.
 """
 
 from __future__ import annotations

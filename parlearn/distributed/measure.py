@@ -1,6 +1,6 @@
 """Measure collectives on real ranks and fit the alpha-beta model to them.
 
-    from parlearn.dist import measure_alpha_beta
+    from parlearn.distributed import measure_alpha_beta
     measure_alpha_beta(world_size=2)      # AlphaBeta(alpha=..., beta=...) of this machine
 
 :func:`sweep_collective` times collectives (median and quartiles of the slowest rank, over
@@ -24,9 +24,9 @@ import torch
 from parlearn.core.bench import Row
 from parlearn.core.checks import check_choice, check_int
 from parlearn.core.timing import SPREAD_LIMIT, Timing
-from parlearn.dist import collectives
-from parlearn.dist.cost import AlphaBeta, collective_time, fit_alpha_beta
-from parlearn.dist.launch import default_backend, run
+from parlearn.distributed import collectives
+from parlearn.distributed.cost import AlphaBeta, collective_time, fit_alpha_beta
+from parlearn.distributed.launch import default_backend, run
 
 __all__ = ["DEFAULT_SIZES", "STUDY_SIZES", "sweep_collective", "measure_alpha_beta",
            "measure_links", "other_load", "ring_vs_gloo", "bench"]
@@ -59,7 +59,7 @@ def _busy_seconds() -> tuple[float, float] | None:
 
 def other_load(fn: Callable[[], object]) -> tuple[object, float | None]:
     """``(fn(), load)``: ``load`` is the CPU that programs *other than this process and the
-    children it waited for* (the ranks :func:`parlearn.dist.run` starts and joins) used
+    children it waited for* (the ranks :func:`parlearn.distributed.run` starts and joins) used
     while ``fn`` ran, in cores (busy CPU-seconds of the machine from /proc/stat minus our
     own from ``getrusage``, over the wall time). The ranks' own work is not load: 2 ranks
     keep 2 cores busy by themselves. None where /proc/stat is missing (not Linux)."""
@@ -142,7 +142,7 @@ def measure_links(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, rep
                   backend: str | None = None, timeout: float = 30) -> dict[str, AlphaBeta]:
     """One alpha-beta fit per collective: ``{kind: AlphaBeta}`` from one interleaved
     :func:`sweep_collective` of ``kinds``, each fitted to its own ring formula. Pass it
-    as ``model`` to :func:`parlearn.dist.collective_time` (or anything that prices
+    as ``model`` to :func:`parlearn.distributed.collective_time` (or anything that prices
     collectives with it) to price each collective with its own fit: an engine implements
     each its own way (over a dozen sweeps on our 2-core machine, gloo's CPU all_gather
     fitted 0.45-1.1 times the bandwidth of its all_reduce, typically 0.7), so one
@@ -167,17 +167,17 @@ def ring_vs_gloo(sizes: Sequence[int] = STUDY_SIZES, world_sizes: Sequence[int] 
                  repeat: int = 7, *, warmup: int = 1, backend: str = "gloo",
                  timeout: float = 60, seed: int = 0,
                  progress: Callable[[int, int], object] | None = None) -> dict:
-    """Ring all-reduce from send/recv (:func:`parlearn.dist.collectives.ring_all_reduce`)
+    """Ring all-reduce from send/recv (:func:`parlearn.distributed.collectives.ring_all_reduce`)
     against ``torch.distributed.all_reduce``, measured interleaved on real ranks: for each
-    world size a fresh run of :func:`parlearn.dist.collectives.ring_vs_gloo_times` (every
+    world size a fresh run of :func:`parlearn.distributed.collectives.ring_vs_gloo_times` (every
     repeat times both on the same tensor, a barrier before each, the order swapped every
-    repeat; one intra-op thread per rank, which :func:`parlearn.dist.run` sets so that the
+    repeat; one intra-op thread per rank, which :func:`parlearn.distributed.run` sets so that the
     ranks do not fight over the cores with their own thread pools).
 
     A repeat's time is the slowest rank's. For every world size ``N`` and size ``n``
     (bytes of float32) it reports the median and quartiles of each, and of the per-repeat
     ratio ``all_reduce time / ring time`` (> 1: the ring from send/recv is faster). The
-    model beside them: :func:`parlearn.dist.cost.fit_alpha_beta` of the ring formula
+    model beside them: :func:`parlearn.distributed.cost.fit_alpha_beta` of the ring formula
     ``2(N-1) alpha + 2(N-1)/N n beta`` fitted, per world size, to the medians of each
     implementation on this run (gloo's own all_reduce also runs a ring on CPU, see lesson
     10), and the ratio of the two fitted times. ``load`` is :func:`other_load` of each

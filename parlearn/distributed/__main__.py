@@ -1,7 +1,7 @@
 """``python -m parlearn.dist module:function [args...]``: run a worker on real ranks.
 
 Under ``torchrun`` (RANK/WORLD_SIZE/MASTER_ADDR set) each process joins the group and calls
-the worker; without it, :func:`parlearn.dist.run` starts ``--nproc`` ranks here::
+the worker; without it, :func:`parlearn.distributed.run` starts ``--nproc`` ranks here::
 
     torchrun --standalone --nproc_per_node 8 -m parlearn.dist parlearn.collectives:ring_check 1000
     python -m parlearn.dist parlearn.collectives:ring_check 1000 --nproc 2
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as tdist
 
 from parlearn.core.checks import check_callable
-from parlearn.dist.launch import default_backend, run
+from parlearn.distributed.launch import default_backend, run
 
 
 def _resolve(spec: str) -> Callable:
