@@ -66,12 +66,26 @@ def check_bool(name: str, value: Any) -> bool:
     return value
 
 
+def _same_choice(value: Any, choice: Any) -> bool:
+    """``value == choice`` with the kinds kept apart: ``True == 1`` and ``1.0 == 1`` in Python,
+    but a bool is never a number, and a float never stands for an int choice."""
+    if isinstance(value, bool) != isinstance(choice, bool):
+        return False
+    if isinstance(choice, numbers.Integral) and not isinstance(value, numbers.Integral):
+        return False
+    try:
+        return bool(value == choice)
+    except (TypeError, ValueError, RuntimeError):  # tensors, arrays: never a choice
+        return False
+
+
 def check_choice(name: str, value: T, choices: Iterable[T]) -> T:
-    """``value`` if it is one of ``choices``."""
+    """``value`` if it is one of ``choices`` (``True`` is not ``1``, ``1.0`` is not ``1``)."""
     choices = tuple(choices)
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
-    return value
+    for choice in choices:
+        if _same_choice(value, choice):
+            return choice
+    raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
 def check_callable(name: str, value: Any) -> Callable:

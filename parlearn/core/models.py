@@ -17,12 +17,20 @@ from parlearn.core.checks import check_int
 __all__ = ["mlp", "mlp_param_bytes"]
 
 
+def _check_widths(widths) -> list[int]:
+    if isinstance(widths, (str, bytes)) or not hasattr(widths, "__iter__"):
+        raise TypeError(f"widths must be a sequence of ints, got {widths!r}")
+    widths = [check_int(f"widths[{i}]", w, lo=1) for i, w in enumerate(widths)]
+    if len(widths) < 2:
+        raise ValueError(f"widths needs at least 2 entries, got {widths}")
+    return widths
+
+
 def mlp(widths: Sequence[int], *, seed: int = 0, dtype: torch.dtype = torch.float32
         ) -> nn.Sequential:
     """``Linear -> ReLU -> ... -> Linear`` with the given widths, initialised from ``seed``."""
-    widths = [check_int("widths[i]", w, lo=1) for w in widths]
-    if len(widths) < 2:
-        raise ValueError(f"widths needs at least 2 entries, got {widths}")
+    widths = _check_widths(widths)
+    seed = check_int("seed", seed, lo=0)
     gen = torch.Generator().manual_seed(seed)
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(widths[:-1], widths[1:], strict=True)):
@@ -37,6 +45,8 @@ def mlp(widths: Sequence[int], *, seed: int = 0, dtype: torch.dtype = torch.floa
 
 def mlp_param_bytes(widths: Sequence[int], element_size: int = 4) -> list[int]:
     """Gradient sizes in bytes of :func:`mlp` ``(widths)``, in registration order."""
+    widths = _check_widths(widths)
+    element_size = check_int("element_size", element_size, lo=1)
     out = []
     for a, b in zip(widths[:-1], widths[1:], strict=True):
         out += [a * b * element_size, b * element_size]

@@ -44,6 +44,15 @@ def test_choice_bool_callable_module():
         checks.check_module("model", lambda x: x)
 
 
+@pytest.mark.parametrize("value", [True, False, 1.0, 0.0, "1", None])
+def test_choice_keeps_bools_and_floats_apart_from_ints(value):
+    # True == 1 and 1.0 == 1 in Python: `zero=True` once ran ZeRO-1.
+    with pytest.raises(ValueError, match="stage"):
+        checks.check_choice("stage", value, (0, 1, 2, 3))
+    assert checks.check_choice("flag", True, (True, False)) is True
+    assert checks.check_choice("stage", 1, (0, 1, 2, 3)) == 1
+
+
 def test_tensor_checks():
     x = torch.zeros(2, 3)
     assert checks.check_tensor("x", x, ndim=2, shape=(None, 3), floating=True) is x
