@@ -3,7 +3,7 @@
 Every technique module has a plain ``bench(device, quick) -> list[Row]`` function;
 :data:`BENCHES` below is the one table of them. Every ratio in a row is measured side
 by side in this one run (see :func:`parlearn.core.timing.compare`).
-Rows may carry a target (a claim from an issue or paper) and whether it was met.
+Rows may carry a target (a claim from a paper, or the project's own goal) and whether it was met.
 
     python -m parlearn.bench                     # everything, on the default device
     python -m parlearn.bench --quick basics      # one entry, small sizes

@@ -220,3 +220,16 @@ def test_every_test_file_on_disk_is_collected(pytestconfig):
                                  ("outside testpaths", outside),
                                  (f"name not in python_files {patterns}", unnamed)) if bad))
     assert not missed, "test files pytest never collects:\n" + "\n".join(missed)
+
+
+def test_words_for_users():
+    """Lessons, docstrings and bench rows cite papers and sources, never our own issue tracker
+    ("issue 29", "the issue's target", "as quoted in issue 32")."""
+    import re
+
+    root = PKG.parent
+    pattern = re.compile(r"(?i)\b(as quoted in |cited by )?the issue('s)?\b|\bissues? \d+")
+    files = [*PKG.rglob("*.py"), *(root / "lessons").glob("*.ipynb"), root / "README.md"]
+    hits = [f"{f.relative_to(root)}:{n}: {line.strip()[:80]}" for f in files
+            for n, line in enumerate(f.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not hits, "words for users, not our issue tracker:\n" + "\n".join(hits)

@@ -203,7 +203,7 @@ class Dashboard:
         if self._displayed and shell is not None:
             # Set the Output widget's outputs directly instead of `with self.out: display()`:
             # capturing a display into an Output widget while the cell that shows it runs
-            # races with a headless client's wait for the cell's reply (nbclient issue 312):
+            # races with a headless client's wait for the cell's reply (jupyter/nbclient#312):
             # lesson 30 sat idle for the whole cell timeout in 3 of 5 nbconvert runs.
             data, metadata = shell.display_formatter.format(fig)
             self.out.outputs = ({"output_type": "display_data", "data": data,

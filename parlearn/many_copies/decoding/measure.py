@@ -197,7 +197,7 @@ def _on_device(fn, device, tokens):
 
 
 def _previous_commit(conf, J, masked, *, tau, beta, eta, tol=1e-7, max_iter=200):
-    """:func:`mean_field_commit` as it was before issue 29 (ten small kernels per rank
+    """:func:`mean_field_commit` as it was first written (ten small kernels per rank
     and step), kept only as the "before" of the bench's own-time row."""
     import math
 
@@ -219,7 +219,7 @@ def _previous_commit(conf, J, masked, *, tau, beta, eta, tol=1e-7, max_iter=200)
 
 def _own_time_row(dname: str, den, lang, batch: int, device, quick: bool) -> Row:
     """The decoder's own work on the first (all-masked, heaviest) pass against one
-    denoiser pass and against the decoder before issue 29, measured interleaved."""
+    denoiser pass and against the decoder as first written, measured interleaved."""
     from parlearn.core.timing import compare
     from parlearn.many_copies.decoding.loop import _probabilities
     from parlearn.many_copies.decoding.mean_field import (
@@ -253,10 +253,10 @@ def _own_time_row(dname: str, den, lang, batch: int, device, quick: bool) -> Row
                   baseline="before", repeat=3 if quick else 9, device=device)
     t = cmp.timings
     lo, hi = cmp.speedup_range("after")
-    # The target is the issue's: against a network's pass. The exact denoiser is a table
-    # lookup (a few ms at batch 256), so its row reports the times without a target.
+    # The target is set against a network's pass (what a real MDLM pays per step). The
+    # exact denoiser is a table lookup (a few ms at batch 256): its row has no target.
     network = dname != "exact"
-    return Row(f"decoding {dname}", "mean-field decoder before issue 29 (one pass)",
+    return Row(f"decoding {dname}", "mean-field decoder, first version (one pass)",
                "mean-field decoder now (one pass)", cmp.speedup("after"), str(device),
                "decoder's own time <= one denoiser pass" if network else "",
                # no verdict from timings too noisy to read

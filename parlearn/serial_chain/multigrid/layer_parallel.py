@@ -66,7 +66,7 @@ def _forward_step(stack: ResidualStack, m: int, level: int, steps: slice,
 class _ForwardSteps:
     """:func:`_forward_step` for one forward solve, without its per-call Python cost.
 
-    MGRIT's calls are small, so their cost is mostly dispatch (issue 29's profile): each
+    MGRIT's calls are small, so their cost is mostly dispatch (a profile showed it): each
     call through ``stack.step`` sliced ``nn.Parameter`` objects (a tensor subclass, slow to
     index) and built a parameter dict. Here the parameters are detached once, each call's
     strided weight views are made once per solve and reused (a V-cycle repeats the same
