@@ -178,7 +178,7 @@ def fit_batching_model(result: dict) -> dict:
     loop = _real_array("result['loop_s']", result["loop_s"])
     bmm = _real_array("result['bmm_s']", result["bmm_s"])
     if np.any(loop <= 0) or np.any(bmm <= 0):
-        raise ValueError("measured times must be > 0")
+        raise ValueError("result['loop_s'] and result['bmm_s'] (measured times) must be > 0")
     s3 = float(check_int("result['size']", result["size"], lo=1)) ** 3
     # Columns: alpha, beta. Rows: loop n(alpha + beta s^3), then bmm alpha + n beta s^3.
     a = np.vstack([np.column_stack([n, n * s3]), np.column_stack([np.ones_like(n), n * s3])])

@@ -17,10 +17,11 @@ import numbers
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 __all__ = ["check_int", "check_float", "check_bool", "check_choice", "check_callable",
-           "check_tensor", "check_module", "check_seed"]
+           "check_tensor", "check_module", "check_seed", "check_device", "check_str"]
 
 T = TypeVar("T")
 
@@ -60,10 +61,10 @@ def check_float(name: str, value: Any, *, lo: float | None = None, hi: float | N
 
 
 def check_bool(name: str, value: Any) -> bool:
-    """``value`` if it is a real ``bool`` (not 0/1, not a string)."""
-    if not isinstance(value, bool):
+    """``value`` if it is a real ``bool`` (not 0/1, not a string; NumPy's bool counts)."""
+    if not isinstance(value, bool | np.bool_):
         raise TypeError(f"{name} must be True or False, got {value!r}")
-    return value
+    return bool(value)
 
 
 def _same_choice(value: Any, choice: Any) -> bool:
@@ -141,3 +142,25 @@ def check_seed(name: str, value: Any) -> int | torch.Generator:
     if isinstance(value, torch.Generator):
         return value
     return check_int(name, value, lo=0)
+
+
+def check_str(name: str, value: Any) -> str:
+    """``value`` if it is a ``str`` (a label, a name: free text, but text)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def check_device(name: str, value: Any) -> torch.device:
+    """``value`` (a ``torch.device`` or a string such as ``"cpu"``, ``"cuda:0"``) as a device;
+    torch's own RuntimeError for a bad string becomes a ValueError naming the argument."""
+    if isinstance(value, torch.device):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a torch.device or a str such as 'cpu' or 'cuda', got "
+                        f"{value!r} ({type(value).__name__})")
+    try:
+        return torch.device(value)
+    except RuntimeError:
+        raise ValueError(f"{name} must name a device such as 'cpu', 'cuda' or 'cuda:1', got "
+                         f"{value!r}") from None

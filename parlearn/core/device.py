@@ -15,6 +15,8 @@ from importlib import metadata
 
 import torch
 
+from parlearn.core.checks import check_device, check_int
+
 __all__ = ["pick_device", "describe", "describe_str", "fake_jax_cpu_devices", "sync", "threads",
            "THREAD_POLICY"]
 
@@ -36,19 +38,23 @@ def pick_device(prefer: str | torch.device | None = None) -> torch.device:
     With ``prefer`` given ("cpu", "cuda", "cuda:1", "mps" or a ``torch.device``),
     that device, or a ``ValueError`` saying it is not available here.
     """
+    return _pick(prefer, "prefer")
+
+
+def _pick(prefer: str | torch.device | None, name: str) -> torch.device:
     if prefer is None:
         return torch.device(next(k for k in _KNOWN if _available(k)))
     try:
         dev = torch.device(prefer)
     except (RuntimeError, TypeError) as err:
-        raise ValueError(f"prefer={prefer!r} is not a device; use one of {_KNOWN}") from err
+        raise ValueError(f"{name}={prefer!r} is not a device; use one of {_KNOWN}") from err
     if dev.type not in _KNOWN:
-        raise ValueError(f"prefer={prefer!r}: device type must be one of {_KNOWN}")
+        raise ValueError(f"{name}={prefer!r}: device type must be one of {_KNOWN}")
     if not _available(dev.type):
-        raise ValueError(f"prefer={prefer!r}: {dev.type} is not available on this machine")
+        raise ValueError(f"{name}={prefer!r}: {dev.type} is not available on this machine")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ValueError(
-            f"prefer={prefer!r}: only {torch.cuda.device_count()} CUDA device(s) here"
+            f"{name}={prefer!r}: only {torch.cuda.device_count()} CUDA device(s) here"
         )
     return dev
 
@@ -65,15 +71,19 @@ parlearn's thread policy for measurements:
 """
 
 
-@contextlib.contextmanager
-def threads(n: int) -> Iterator[int]:
+def threads(n: int) -> contextlib.AbstractContextManager[int]:
     """Run the block with ``n`` torch intra-op threads, then restore the caller's count.
 
     >>> with threads(1):
     ...     pass  # measure here
+
+    ``n`` is checked when called, before the ``with`` block is entered.
     """
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"n must be a positive int (threads), got {n!r}")
+    return _threads(check_int("n (threads)", n, lo=1))
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[int]:
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -84,7 +94,7 @@ def threads(n: int) -> Iterator[int]:
 
 def sync(device: torch.device | str) -> None:
     """Wait for queued kernels on ``device`` (a no-op on CPU)."""
-    dev = torch.device(device)
+    dev = check_device("device", device)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     elif dev.type == "mps":
@@ -105,7 +115,7 @@ def describe(device: str | torch.device | None = None) -> dict:
     ``jax`` (installed version or None; JAX is not started), and for CUDA
     ``gpu`` and ``gpu_memory_gib``.
     """
-    dev = pick_device(device)
+    dev = _pick(device, "device")
     info = {
         "device": str(dev),
         "cpu": platform.processor() or platform.machine(),

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from parlearn.core.checks import check_callable, check_device, check_int
 from parlearn.core.device import sync
 from parlearn.core.device import threads as _threads
 
@@ -135,11 +136,12 @@ class Comparison:
         return "\n".join(lines)
 
 
-def _check_counts(warmup: int, repeat: int) -> None:
-    if not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
-    if not isinstance(repeat, int) or repeat < 1:
-        raise ValueError(f"repeat must be an int >= 1, got {repeat!r}")
+def _check_counts(warmup: int, repeat: int, device, threads) -> None:
+    check_int("warmup", warmup, lo=0)
+    check_int("repeat", repeat, lo=1)
+    check_device("device", device)
+    if threads is not None:
+        check_int("threads", threads, lo=1)
 
 
 def _timed_call(fn: Callable[[], object], dev: torch.device) -> float:
@@ -164,6 +166,7 @@ def measure(
     so queued kernels are counted. ``threads=n`` runs with ``n`` intra-op threads
     and restores the caller's count; ``None`` uses the caller's count as it is.
     """
+    check_callable("fn", fn)
     return compare({"fn": fn}, warmup=warmup, repeat=repeat, device=device,
                    threads=threads).timings["fn"]
 
@@ -191,7 +194,7 @@ def compare(
     baseline = next(iter(candidates)) if baseline is None else baseline
     if baseline not in candidates:
         raise ValueError(f"baseline={baseline!r} is not one of {list(candidates)}")
-    _check_counts(warmup, repeat)
+    _check_counts(warmup, repeat, device, threads)
     dev = torch.device(device)
     if threads is not None:
         with _threads(threads):
@@ -226,6 +229,13 @@ def sweep(
     with the interquartile range of the per-repeat ratios in ``speedup_lo``/``_hi``.
     ``reliable`` is False if any comparison's spread exceeded :data:`SPREAD_LIMIT`.
     """
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"values must be an iterable of values, got {values!r}")
+    values = list(values)
+    if not values:
+        raise ValueError("values must hold at least one value")
+    check_callable("candidates", candidates)
+    _check_counts(warmup, repeat, device, threads)
     out: dict = {"values": [], "device": str(torch.device(device)), "threads": None,
                  "reliable": True, "median_s": {}, "spread": {}, "speedup": {},
                  "speedup_lo": {}, "speedup_hi": {}}

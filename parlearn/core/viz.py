@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from parlearn.core.checks import check_bool, check_str
+
 __all__ = [
     "measured_label",
     "modeled_label",
@@ -29,11 +31,15 @@ _TASK_COLORS = {"chain": "C0", "wgrad": "C1", "transfer": "C2", "boundary": "C3"
 
 def measured_label(name: str, device: str) -> str:
     """``'name (measured on device)'``."""
+    check_str("name", name)
+    check_str("device", device)
     return f"{name} (measured on {device})"
 
 
 def modeled_label(name: str, formula: str) -> str:
     """``'name (modeled: formula)'``."""
+    check_str("name", name)
+    check_str("formula", formula)
     return f"{name} (modeled: {formula})"
 
 
@@ -83,7 +89,7 @@ def mark_reliability(ax, reliable: bool) -> None:
     """
     from parlearn.core.timing import UNRELIABLE
 
-    if reliable or any(t.get_gid() == _WARNING_GID for t in ax.texts):
+    if check_bool("reliable", reliable) or any(t.get_gid() == _WARNING_GID for t in ax.texts):
         return
     ax.annotate("WARNING: " + UNRELIABLE.replace(" (", "\n(").replace("; ", ";\n"), xy=(0.5, 1.0),
                 xycoords=_axes_and_titles(ax), xytext=(0, 3), textcoords="offset points",

@@ -140,6 +140,11 @@ def rank_tensor(rank: int, numel: int, seed: int = 0,
                 dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """The test input of ``rank``: standard normals from its own generator, so the caller
     can rebuild every rank's input and compute the serial reference."""
+    rank = check_int("rank", rank, lo=0)
+    numel = check_int("numel", numel, lo=0)
+    seed = check_int("seed", seed, lo=0)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     g = torch.Generator().manual_seed(seed * 100_003 + rank)
     return torch.randn(numel, generator=g, dtype=dtype)
 

@@ -71,9 +71,10 @@ class AlphaBeta:
         return f"alpha = {self.alpha * 1e6:.1f} us, 1/beta = {self.bandwidth / 1e9:.2f} GB/s"
 
 
-def _check(kind: str, nbytes: float, world_size: int, algorithm: str) -> tuple[str, float, int]:
+def _check(kind: str, nbytes: float, world_size: int, algorithm: str,
+           bytes_name: str = "nbytes") -> tuple[str, float, int]:
     check_choice("kind", kind, KINDS)
-    nbytes = check_float("nbytes", nbytes, lo=0)
+    nbytes = check_float(bytes_name, nbytes, lo=0)
     world_size = check_int("world_size", world_size, lo=1)
     check_choice("algorithm", algorithm, ALGORITHMS)
     if _CANON[kind] == "p2p" and world_size < 2:
@@ -147,7 +148,7 @@ def _link_for(canon: str, model: AlphaBeta | Mapping[str, AlphaBeta]) -> AlphaBe
 def ring_bytes(kind: str, payload_bytes: float, world_size: int) -> float:
     """Bytes each rank sends under the ring schedule: all_reduce ``2(N-1)/N n``;
     reduce_scatter, all_gather and all_to_all ``(N-1)/N n``; send and broadcast ``n``."""
-    kind, n, N = _check(kind, payload_bytes, world_size, "ring")
+    kind, n, N = _check(kind, payload_bytes, world_size, "ring", "payload_bytes")
     return _terms(kind, n, N, "ring")[1]
 
 
@@ -169,7 +170,7 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], *, kind: str 
     ts = [check_float("times", t, lo=0, lo_open=True) for t in times]
     rows = []
     for n in sizes:
-        canon, n, N = _check(kind, n, world_size, algorithm)
+        canon, n, N = _check(kind, n, world_size, algorithm, "sizes")
         rows.append(_terms(canon, n, N, algorithm))
     # Weighted normal equations of the 2x2 problem, by hand (no numpy needed).
     w = [(s / t, b / t, 1.0) for (s, b), t in zip(rows, ts, strict=True)]

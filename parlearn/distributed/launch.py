@@ -51,7 +51,7 @@ import torch.distributed as tdist
 
 from parlearn.core.checks import check_callable, check_choice, check_float, check_int
 
-__all__ = ["run", "RankError", "device_for", "default_backend"]
+__all__ = ["run", "RankError", "device_for", "default_backend", "MAX_LOCAL_RANKS"]
 
 _HOST = "127.0.0.1"
 _run_ids = itertools.count()
@@ -83,6 +83,7 @@ class RankError(RuntimeError):
 
 def default_backend(world_size: int) -> str:
     """``"nccl"`` when NCCL exists and there is one GPU per rank, else ``"gloo"``."""
+    world_size = check_int("world_size", world_size, lo=1)
     if (torch.cuda.is_available() and tdist.is_nccl_available()
             and torch.cuda.device_count() >= world_size):
         return "nccl"
@@ -223,6 +224,9 @@ def _collect(procs: list, conns: dict, results: dict, failures: dict,
             grace_at = time.monotonic() + _FAILURE_GRACE
 
 
+MAX_LOCAL_RANKS = 64
+
+
 def run(fn: Callable, world_size: int = 2, *, args: Sequence = (), backend: str | None = None,
         timeout: float = 30, start: str | None = None, deadline: float | None = None,
         pids: list | None = None) -> list:
@@ -243,7 +247,9 @@ def run(fn: Callable, world_size: int = 2, *, args: Sequence = (), backend: str 
     running at ``deadline``; the other ranks are then stopped.
     """
     check_callable("fn", fn)
-    world_size = check_int("world_size", world_size, lo=1)
+    # Every rank is a process on this machine: past a few dozen they only share its cores,
+    # and thousands exhaust its memory and ports. torchrun on a cluster is for more.
+    world_size = check_int("world_size", world_size, lo=1, hi=MAX_LOCAL_RANKS)
     timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     if deadline is not None:
         deadline = check_float("deadline", deadline, lo=0, lo_open=True)

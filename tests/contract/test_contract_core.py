@@ -32,6 +32,47 @@ def _bmm_equals_loop(result, kw):
                                                                            strict=True)]))
 
 
+# Labels are free text: any string is legal, only a non-string is refused.
+def _free(*args: str, formula: str = "n") -> dict[str, list[str]]:
+    text = {"name": "ring", "device": "cpu", "formula": formula}
+    return {a: ["no such " + text[a]] for a in args}
+
+
+def _noop():
+    return None
+
+
+def _enter(cm):
+    with cm:
+        pass
+
+
+def _ax(log: bool = False):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    plt.close(fig)
+    if log:
+        ax.plot([1, 10, 100], [1, 10, 100])
+        ax.set_yscale("log")
+    return ax
+
+
+def _ab():
+    from parlearn.distributed.cost import AlphaBeta
+
+    return AlphaBeta(1e-5, 1e-9)
+
+
+def _hello():
+    from parlearn.distributed.collectives import hello
+
+    return hello
+
+
 CASES = [
     Case("parlearn.core.basics.amdahl", lambda: dict(serial_fraction=0.1, workers=8),
          ranges={"serial_fraction": (0.0, 1.0), "workers": (1, None)}, check=_amdahl_exact,
@@ -60,6 +101,88 @@ CASES = [
          check=lambda r, kw: r == [a * b * kw["element_size"] for a, b in
                                    zip(kw["widths"][:-1], kw["widths"][1:], strict=True)
                                    for a, b in ((a, b), (1, b))]),
+    Case("parlearn.core.datasets.digits",
+         lambda: dict(test_fraction=0.25, seed=0, n_train=40, dtype=torch.float64),
+         ranges={"n_train": (1, 1347), "seed": (0, 2**32 - 1)},
+         bad={"test_fraction": [0.0, 1.0, 0.001], "dtype": [torch.int64]},
+         legal={"n_train": [None]}),
+    Case("parlearn.core.device.pick_device", lambda: dict(prefer="cpu"),
+         bad={"prefer": ["tpu", "cuda:x"]}, legal={"prefer": [None]}),
+    Case("parlearn.core.device.describe", lambda: dict(device="cpu"), bad={"device": ["tpu"]},
+         legal={"device": [None]}),
+    Case("parlearn.core.device.describe_str", lambda: dict(device="cpu"),
+         bad={"device": ["tpu"]}, legal={"device": [None]}),
+    Case("parlearn.core.device.sync", lambda: dict(device="cpu"), bad={"device": ["tpu"]}),
+    Case("parlearn.core.device.threads", lambda: dict(n=1), ranges={"n": (1, None)},
+         check=lambda r, kw: _enter(r)),
+    Case("parlearn.core.device.fake_jax_cpu_devices", lambda: dict(n=1),
+         ranges={"n": (1, None)}, run_good=False),
+    Case("parlearn.core.timing.measure",
+         lambda: dict(fn=_noop, warmup=0, repeat=2, threads=1, device="cpu"),
+         ranges={"warmup": (0, None), "repeat": (1, None), "threads": (1, None)},
+         bad={"fn": [3], "device": ["tpu"]}, legal={"threads": [None]}),
+    Case("parlearn.core.timing.compare",
+         lambda: dict(candidates={"a": _noop, "b": _noop}, baseline="a", warmup=0, repeat=2),
+         ranges={"warmup": (0, None), "repeat": (1, None)},
+         bad={"candidates": [{}, {"a": 3}], "baseline": ["c"]}, legal={"baseline": [None]}),
+    Case("parlearn.core.timing.sweep",
+         lambda: dict(values=[1, 2], candidates=lambda v: {"a": _noop}, warmup=0, repeat=2),
+         ranges={"warmup": (0, None), "repeat": (1, None)}, bad={"values": [[], 3],
+                                                          "candidates": [3]}),
+    Case("parlearn.core.basics.sweep_batching",
+         lambda: dict(counts=[1, 2], size=2, repeat=2, seed=0, threads=1),
+         ranges={"size": (1, None), "repeat": (1, None), "seed": (0, None),
+                 "threads": (1, None)},
+         bad={"counts": [[], [0], [True], "12"]}, legal={"threads": [None]}),
+    Case("parlearn.core.basics.fit_batching_model",
+         lambda: dict(result={"n": [1, 2, 4], "loop_s": [1e-3, 2e-3, 4e-3],
+                              "bmm_s": [1e-3, 1.1e-3, 1.3e-3], "size": 8}),
+         bad={"result": [{}, {"n": [1, 2], "loop_s": [1e-3, -1.0], "bmm_s": [1e-3, 1e-3],
+                              "size": 8}]}),
+    Case("parlearn.core.viz.measured_label", lambda: dict(name="ring", device="cpu"),
+         legal=_free("name", "device")),
+    Case("parlearn.core.viz.modeled_label", lambda: dict(name="ring", formula="2(p-1)/p n"),
+         legal=_free("name", "formula", formula="2(p-1)/p n")),
+    Case("parlearn.core.viz.plot_measured",
+         lambda: dict(ax=_ax(), x=[1, 2, 3], y=[1.0, 2.0, 3.0], name="ring", device="cpu"),
+         bad={"x": [[1, 2]]}, legal={**_free("name", "device"), "y": [[1.0, math.nan, 2.0]]}),
+    Case("parlearn.core.viz.plot_modeled",
+         lambda: dict(ax=_ax(), x=[1, 2, 3], y=[1.0, 2.0, 3.0], name="ring", formula="n"),
+         bad={"x": [[1, 2]]}, legal=_free("name", "formula")),
+    Case("parlearn.core.viz.mark_reliability", lambda: dict(ax=_ax(), reliable=True)),
+    Case("parlearn.core.viz.log_ticks", lambda: dict(ax=_ax(log=True), axis="y")),
+    Case("parlearn.distributed.cost.ring_bytes",
+         lambda: dict(kind="all_reduce", payload_bytes=1024.0, world_size=4),
+         ranges={"payload_bytes": (0.0, None), "world_size": (1, None)},
+         check=lambda r, kw: math.isclose(
+             r, 2 * (kw["world_size"] - 1) / kw["world_size"] * kw["payload_bytes"])),
+    Case("parlearn.distributed.cost.AlphaBeta", lambda: dict(alpha=1e-5, beta=1e-9),
+         ranges={"alpha": (0.0, None), "beta": (0.0, None)}),
+    Case("parlearn.distributed.cost.collective_time",
+         lambda: dict(kind="all_reduce", nbytes=4096.0, world_size=4,
+                      model=_ab(), algorithm="ring"),
+         ranges={"nbytes": (0.0, None), "world_size": (1, None)},
+         bad={"model": [{"send": 3}]}),
+    Case("parlearn.distributed.cost.fit_alpha_beta",
+         lambda: dict(sizes=[1e3, 1e4, 1e5], times=[2e-5, 2e-5 + 9e-6, 2e-5 + 9.9e-5],
+                      kind="send", world_size=2, algorithm="ring"),
+         ranges={"world_size": (2, None)},
+         bad={"sizes": [[1e3], [1e3, -1.0, 1e5], [1e3, 1e4]], "times": [[1.0, math.nan, 2.0]]}),
+    Case("parlearn.distributed.card.bus_factor", lambda: dict(kind="all_reduce", world_size=8),
+         ranges={"world_size": (1, None)}),
+    Case("parlearn.distributed.card.preset", lambda: dict(name="h100-ib")),
+    Case("parlearn.distributed.launch.default_backend", lambda: dict(world_size=2),
+         ranges={"world_size": (1, None)}),
+    Case("parlearn.distributed.launch.device_for", lambda: dict(rank=0),
+         ranges={"rank": (0, None)}),
+    Case("parlearn.distributed.collectives.rank_tensor",
+         lambda: dict(rank=0, numel=5, seed=0, dtype=torch.float64),
+         ranges={"rank": (0, None), "numel": (0, None), "seed": (0, None)},
+         bad={"dtype": [torch.int64]}),
+    Case("parlearn.distributed.launch.run",
+         lambda: dict(fn=_hello(), world_size=2, timeout=20.0, backend="gloo", start="fork"),
+         ranges={"world_size": (1, 64)}, run_good=False,
+         bad={"fn": [3], "backend": ["mpi-x"], "start": ["teleport"], "timeout": [0.0, -1.0]}),
 ]
 
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
@@ -73,7 +196,8 @@ COVERED_ELSEWHERE: dict[str, str] = {
                        ("check_callable", "choice_bool_callable_module"),
                        ("check_tensor", "tensor_checks"), ("check_module",
                                                            "choice_bool_callable_module"),
-                       ("check_seed", "seed")]
+                       ("check_seed", "seed"), ("check_device", "device_and_str"),
+                       ("check_str", "device_and_str")]
 }
 EXEMPT: dict[str, str] = {}
 
@@ -82,50 +206,29 @@ PENDING = [
     "parlearn.bench.main",
     "parlearn.bench.registry",
     "parlearn.bench.run",
-    "parlearn.core.basics.fit_batching_model",
-    "parlearn.core.basics.sweep_batching",
     "parlearn.core.bench.Row",
     "parlearn.core.bench.format_table",
     "parlearn.core.bench.rows_in_fresh_process",
     "parlearn.core.datasets.Split",
-    "parlearn.core.datasets.digits",
-    "parlearn.core.device.describe",
-    "parlearn.core.device.describe_str",
-    "parlearn.core.device.fake_jax_cpu_devices",
-    "parlearn.core.device.pick_device",
-    "parlearn.core.device.sync",
-    "parlearn.core.device.threads",
     "parlearn.core.settings.banner",
     "parlearn.core.settings.is_fast",
     "parlearn.core.settings.size",
     "parlearn.core.timing.Comparison",
     "parlearn.core.timing.Timing",
-    "parlearn.core.timing.compare",
-    "parlearn.core.timing.measure",
-    "parlearn.core.timing.sweep",
     "parlearn.core.viz.convergence",
-    "parlearn.core.viz.log_ticks",
-    "parlearn.core.viz.mark_reliability",
-    "parlearn.core.viz.measured_label",
-    "parlearn.core.viz.modeled_label",
-    "parlearn.core.viz.plot_measured",
     "parlearn.core.viz.plot_measured_sweep",
-    "parlearn.core.viz.plot_modeled",
     "parlearn.core.viz.timeline",
     "parlearn.core.widgets.Dashboard",
     "parlearn.core.widgets.OptionalRun",
     "parlearn.core.widgets.control",
     "parlearn.distributed.card.Card",
     "parlearn.distributed.card.anchors",
-    "parlearn.distributed.card.bus_factor",
     "parlearn.distributed.card.calibrate",
     "parlearn.distributed.card.describe",
     "parlearn.distributed.card.fit_card",
-    "parlearn.distributed.card.preset",
     "parlearn.distributed.collectives.collectives_demo",
     "parlearn.distributed.collectives.hello",
     "parlearn.distributed.collectives.plot_collectives",
-    "parlearn.distributed.collectives.rank_tensor",
     "parlearn.distributed.collectives.ring_all_gather",
     "parlearn.distributed.collectives.ring_all_reduce",
     "parlearn.distributed.collectives.ring_check",
@@ -135,14 +238,7 @@ PENDING = [
     "parlearn.distributed.collectives.ring_vs_gloo_times",
     "parlearn.distributed.collectives.ring_vs_torch",
     "parlearn.distributed.collectives.time_collectives",
-    "parlearn.distributed.cost.AlphaBeta",
-    "parlearn.distributed.cost.collective_time",
-    "parlearn.distributed.cost.fit_alpha_beta",
-    "parlearn.distributed.cost.ring_bytes",
     "parlearn.distributed.launch.RankError",
-    "parlearn.distributed.launch.default_backend",
-    "parlearn.distributed.launch.device_for",
-    "parlearn.distributed.launch.run",
     "parlearn.distributed.measure.bench",
     "parlearn.distributed.measure.measure_alpha_beta",
     "parlearn.distributed.measure.measure_links",

@@ -75,3 +75,15 @@ def test_seed():
     assert checks.check_seed("seed", g) is g and checks.check_seed("seed", 0) == 0
     with pytest.raises(ValueError, match="seed"):
         checks.check_seed("seed", -1)
+
+
+def test_device_and_str():
+    assert checks.check_device("device", "cpu") == torch.device("cpu")
+    assert checks.check_device("device", torch.device("cpu")) == torch.device("cpu")
+    with pytest.raises(ValueError, match="device must name a device"):
+        checks.check_device("device", "tpu:x")
+    with pytest.raises(TypeError, match="device"):
+        checks.check_device("device", 1.5)
+    assert checks.check_str("label", "x") == "x"
+    with pytest.raises(TypeError, match="label must be a str"):
+        checks.check_str("label", 3)
