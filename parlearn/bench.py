@@ -19,6 +19,7 @@ import sys
 from dataclasses import asdict
 
 from parlearn.core.bench import BenchFn, Row, format_table
+from parlearn.core.checks import check_bool
 from parlearn.core.device import describe_str, pick_device
 
 __all__ = ["BENCHES", "registry", "run", "main", "Row", "format_table"]
@@ -83,10 +84,13 @@ def registry() -> dict[str, tuple[str, BenchFn]]:
 def run(names: list[str] | None = None, *, device: str | None = None,
         quick: bool = False) -> list[Row]:
     """Run the named benchmarks (default: all) and return their rows."""
-    names = list(BENCHES) if not names else names
-    unknown = [n for n in names if n not in BENCHES]
+    if names is not None and (isinstance(names, str) or not hasattr(names, "__iter__")):
+        raise TypeError(f"names must be a list of benchmark names, got {names!r}")
+    names = list(BENCHES) if not names else list(names)
+    unknown = [n for n in names if not isinstance(n, str) or n not in BENCHES]
     if unknown:
-        raise ValueError(f"unknown benchmark(s) {unknown}; known: {sorted(BENCHES)}")
+        raise ValueError(f"names: unknown benchmark(s) {unknown}; known: {sorted(BENCHES)}")
+    check_bool("quick", quick)
     dev = pick_device(device)
     rows: list[Row] = []
     for name in names:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from parlearn.core.checks import check_bool, check_str
+
 __all__ = ["Row", "BenchFn", "rows_in_fresh_process", "format_table"]
 
 
@@ -39,6 +41,8 @@ def rows_in_fresh_process(module: str, quick: bool) -> list[Row]:
     JAX starts threads that make every later ``os.fork`` of the process unsafe, and
     ``python -m parlearn.bench`` forks gloo ranks for other entries: JAX benches run here.
     """
+    check_str("module", module)
+    check_bool("quick", quick)
     import subprocess
 
     code = ("import importlib, json, sys; from dataclasses import asdict; "
@@ -53,6 +57,12 @@ def rows_in_fresh_process(module: str, quick: bool) -> list[Row]:
 
 def format_table(rows: list[Row]) -> str:
     """The rows as a fixed-width text table."""
+    if isinstance(rows, str) or not hasattr(rows, "__iter__"):
+        raise TypeError(f"rows must be a list of Row, got {rows!r}")
+    rows = list(rows)
+    for i, r in enumerate(rows):
+        if not isinstance(r, Row):
+            raise TypeError(f"rows[{i}] must be a Row, got {r!r}")
     head = ("benchmark", "baseline", "parallel variant", "ratio", "device", "target", "met")
     body = [
         (r.benchmark, r.baseline, r.variant, f"{r.ratio:.2f}x", r.device, r.target,

@@ -6,6 +6,7 @@ formula and is drawn dashed. Lessons never label a curve by hand.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import numpy as np
@@ -59,6 +60,13 @@ def plot_measured_sweep(ax, sweep: dict, name: str, *, key: str = "speedup", **k
     (error bars from the spread). The label names the device and thread count, and the
     axes get the unreliable-measurement warning when the sweep's spread was too wide.
     """
+    need = {"values", "device", "threads", "reliable", "median_s", "spread", "speedup",
+            "speedup_lo", "speedup_hi"}
+    if not isinstance(sweep, dict) or not need <= set(sweep):
+        raise TypeError(f"sweep must be a dict from parlearn.timing.sweep (keys {sorted(need)})")
+    if name not in sweep["median_s"]:
+        raise ValueError(f"name must be one of the sweep's candidates {list(sweep['median_s'])},"
+                         f" got {name!r}")
     x = np.asarray(sweep["values"], dtype=float)
     if key == "speedup":
         y = np.asarray(sweep["speedup"][name])
@@ -95,6 +103,10 @@ def mark_reliability(ax, reliable: bool) -> None:
                 xycoords=_axes_and_titles(ax), xytext=(0, 3), textcoords="offset points",
                 ha="center", va="bottom", color="red", fontsize=9, gid=_WARNING_GID,
                 annotation_clip=False)
+
+
+def _refuse(name: str, value, what: str):
+    raise TypeError(f"{name} must be {what}, got {value!r}")
 
 
 def _axes_and_titles(ax):
@@ -157,6 +169,16 @@ def timeline(ax, events: Sequence[tuple[str, str, float, float]], *, title: str 
     Bars are coloured by the label's first word (e.g. ``'chain'``, ``'wgrad'``), with
     one colour per word for the whole session, so side-by-side timelines agree.
     """
+    events = list(events) if isinstance(events, Sequence) and not isinstance(events, str) \
+        else _refuse("events", events, "a sequence of (lane, label, start_s, end_s)")
+    for i, e in enumerate(events):
+        ok = (isinstance(e, tuple | list) and len(e) == 4 and isinstance(e[1], str)
+              and e[1].split() and all(isinstance(t, numbers.Real) and not isinstance(t, bool)
+                                       and np.isfinite(t) for t in e[2:]) and e[3] >= e[2])
+        if not ok:
+            raise ValueError(f"events[{i}] must be (lane, label, start_s, end_s) with a "
+                             f"non-empty label and finite start_s <= end_s, got {e!r}")
+    check_str("title", title)
     lanes = list(dict.fromkeys(e[0] for e in events))
     kinds = list(dict.fromkeys(e[1].split()[0] for e in events))
     for k in kinds:
@@ -183,8 +205,17 @@ def convergence(ax, histories: dict[str, Sequence[float]], *, ylabel: str = "res
     Exact zeros are drawn at 1e-18 times the largest value (round-off level), not at
     the smallest float, so the axis stays readable.
     """
+    if not isinstance(histories, dict) or not histories:
+        raise TypeError(f"histories must be a non-empty dict of name -> residuals, got "
+                        f"{histories!r}")
+    check_str("ylabel", ylabel)
     for name, hist in histories.items():
-        h = np.asarray(hist, dtype=float)
+        h = np.asarray(hist)
+        if h.ndim != 1 or h.dtype == bool or not np.issubdtype(h.dtype, np.number) \
+                or np.any(np.asarray(h, dtype=float) < 0):
+            raise ValueError(f"histories[{name!r}] must be a 1-D sequence of residuals >= 0 "
+                             f"(NaN allowed: a diverged run), got {hist!r}")
+        h = h.astype(float)
         floor = max(h.max(initial=0.0) * 1e-18, np.finfo(float).tiny)
         ax.semilogy(np.arange(len(h)), np.maximum(h, floor), marker="o", label=name)
     ax.set_xlabel("iteration")

@@ -39,6 +39,16 @@ __all__ = ["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "hello",
            "REDUCING"]
 
 
+def _sequence(name: str, value) -> list:
+    """A non-empty list of ``value``'s items; a string or a lone number is refused."""
+    if isinstance(value, str | bytes) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name} must be a sequence, got {value!r}")
+    value = list(value)
+    if not value:
+        raise ValueError(f"{name} must not be empty")
+    return value
+
+
 def _exchange(send: torch.Tensor, to: int, recv: torch.Tensor, frm: int) -> None:
     """Send ``send`` to rank ``to`` while receiving ``recv`` from rank ``frm``.
     The send is posted first and asynchronously: with blocking sends every rank would
@@ -152,7 +162,8 @@ def rank_tensor(rank: int, numel: int, seed: int = 0,
 def ring_vs_torch(rank: int, world_size: int, numel: int, seed: int = 0) -> dict:
     """Worker: ring all-reduce, reduce-scatter and all-gather from send/recv beside
     ``torch.distributed``'s own, on this rank's :func:`rank_tensor`. Returns CPU tensors."""
-
+    numel = check_int("numel", numel, lo=1)
+    seed = check_int("seed", seed, lo=0)
     dev = device_for(rank)
     x = rank_tensor(rank, numel, seed).to(dev)
     ring = ring_all_reduce(x.clone())
@@ -319,7 +330,9 @@ def time_collectives(rank: int, world_size: int, kinds: tuple[str, ...], sizes: 
     ``reduce_scatter`` and ``all_to_all`` their input (as :func:`parlearn.distributed.ledger` counts
     them); for these three the elements must divide by ``world_size``.
     Returns ``{kind: {bytes: [seconds]}}`` of this rank."""
-
+    kinds, sizes = _sequence("kinds", kinds), _sequence("sizes", sizes)
+    sizes = [check_int("sizes", nbytes, lo=4) for nbytes in sizes]
+    repeat, warmup = check_int("repeat", repeat, lo=1), check_int("warmup", warmup, lo=0)
     for kind in kinds:
         check_choice("kinds", kind, TIMED_KINDS)
     if any(k in _CHUNKED for k in kinds):
@@ -356,6 +369,9 @@ def ring_vs_gloo_times(rank: int, world_size: int, sizes: tuple[int, ...], repea
     "max_diff": {bytes: float}, "max_abs": {bytes: float}, "torch_threads": int,
     "os_threads": int}``: ``torch_threads`` is this rank's intra-op thread count, and
     ``os_threads`` the threads of the whole process (gloo's included) once both ran."""
+    sizes = [check_int("sizes", nbytes, lo=4) for nbytes in _sequence("sizes", sizes)]
+    repeat, warmup = check_int("repeat", repeat, lo=1), check_int("warmup", warmup, lo=0)
+    seed = check_int("seed", seed, lo=0)
     dev = device_for(rank)
     out: dict = {"all_reduce": {}, "ring_all_reduce": {}, "max_diff": {}, "max_abs": {}}
     for nbytes in sizes:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from parlearn.core.bench import Row
-from parlearn.core.checks import check_choice, check_int
+from parlearn.core.checks import check_callable, check_choice, check_int
 from parlearn.core.timing import SPREAD_LIMIT, Timing
 from parlearn.distributed import collectives
 from parlearn.distributed.cost import AlphaBeta, collective_time, fit_alpha_beta
@@ -63,6 +63,7 @@ def other_load(fn: Callable[[], object]) -> tuple[object, float | None]:
     while ``fn`` ran, in cores (busy CPU-seconds of the machine from /proc/stat minus our
     own from ``getrusage``, over the wall time). The ranks' own work is not load: 2 ranks
     keep 2 cores busy by themselves. None where /proc/stat is missing (not Linux)."""
+    check_callable("fn", fn)
     before, t0 = _busy_seconds(), time.perf_counter()
     value = fn()
     after, wall = _busy_seconds(), time.perf_counter() - t0
@@ -94,8 +95,9 @@ def sweep_collective(kinds: Sequence[str] = ("all_reduce",), sizes: Sequence[int
     the median, and ``reliable`` is False when any spread exceeds
     :data:`parlearn.timing.SPREAD_LIMIT`.
     """
-    kinds = [check_choice("kinds", k, collectives.TIMED_KINDS) for k in kinds]
-    sizes = [check_int("sizes", n, lo=4) for n in sizes]
+    kinds = [check_choice("kinds", k, collectives.TIMED_KINDS)
+             for k in collectives._sequence("kinds", kinds)]
+    sizes = [check_int("sizes", n, lo=4) for n in collectives._sequence("sizes", sizes)]
     world_size = check_int("world_size", world_size, lo=2)
     repeat, warmup = check_int("repeat", repeat, lo=1), check_int("warmup", warmup, lo=0)
     chunked = [k for k in kinds if k in ("all_gather", "reduce_scatter", "all_to_all")]

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from parlearn.core.checks import check_callable
+
 __all__ = ["Record", "Ledger", "ledger", "replace_collective"]
 
 
@@ -131,6 +133,10 @@ def replace_collective(kind: str, old: Callable, new: Callable) -> None:
     the package and ``distributed_c10d`` (code calls either), leaving a module whose
     attribute is something else (another wrapper) alone. Wrapping and restoring are the
     same call with the arguments swapped."""
+    if not isinstance(kind, str) or not callable(getattr(tdist, kind, None)):
+        raise ValueError(f"kind must name a torch.distributed function, got {kind!r}")
+    check_callable("old", old)
+    check_callable("new", new)
     for mod in (tdist, tdist.distributed_c10d):
         if getattr(mod, kind, None) is old:
             setattr(mod, kind, new)

@@ -67,6 +67,27 @@ def _ab():
     return AlphaBeta(1e-5, 1e-9)
 
 
+def _sweep():
+    return {"values": [1, 2], "device": "cpu", "threads": 1, "reliable": True,
+            "median_s": {"a": [1.0, 1.0], "b": [0.5, 0.4]}, "spread": {"a": [0.0, 0.0],
+                                                                   "b": [0.1, 0.1]},
+            "speedup": {"a": [1.0, 1.0], "b": [2.0, 2.5]},
+            "speedup_lo": {"a": [1.0, 1.0], "b": [1.9, 2.4]},
+            "speedup_hi": {"a": [1.0, 1.0], "b": [2.1, 2.6]}}
+
+
+def _row():
+    from parlearn.core.bench import Row
+
+    return Row("b", "serial", "parallel", 2.0, "cpu")
+
+
+def _card():
+    from parlearn.distributed.card import preset
+
+    return preset("h100-ib")
+
+
 def _hello():
     from parlearn.distributed.collectives import hello
 
@@ -183,6 +204,45 @@ CASES = [
          lambda: dict(fn=_hello(), world_size=2, timeout=20.0, backend="gloo", start="fork"),
          ranges={"world_size": (1, 64)}, run_good=False,
          bad={"fn": [3], "backend": ["mpi-x"], "start": ["teleport"], "timeout": [0.0, -1.0]}),
+    Case("parlearn.core.viz.timeline",
+         lambda: dict(ax=_ax(), events=[("rank 0", "chain 1", 0.0, 0.5),
+                                        ("rank 1", "wgrad 1", 0.2, 0.4)], title="t"),
+         bad={"events": [[("rank 0", "chain", 1.0, 0.5)], [("rank 0", "", 0.0, 1.0)],
+                         [("rank 0", "chain", 0.0, math.nan)], [("r", "chain", 0.0)], "ab"]},
+         legal={"title": ["no such t"]}),
+    Case("parlearn.core.viz.convergence",
+         lambda: dict(ax=_ax(), histories={"a": [1.0, 0.1, 0.0]}, ylabel="r"),
+         bad={"histories": [{}, {"a": [1.0, -1.0]}, {"a": [[1.0]]}, {"a": ["x"]}]},
+         legal={"ylabel": ["no such r"], "histories": [{"a": [1.0, math.nan]}]}),
+    Case("parlearn.core.viz.plot_measured_sweep",
+         lambda: dict(ax=_ax(), sweep=_sweep(), name="b", key="speedup"),
+         bad={"name": ["c"], "sweep": [{}]}),
+    Case("parlearn.core.bench.format_table", lambda: dict(rows=[_row()]),
+         bad={"rows": [[3], "row", [_row(), None]]}),
+    Case("parlearn.core.bench.rows_in_fresh_process",
+         lambda: dict(module="parlearn.core.basics", quick=True), run_good=False,
+         legal={"module": ["no such parlearn.core.basics"]}),
+    Case("parlearn.bench.run", lambda: dict(names=["basics"], device="cpu", quick=True),
+         run_good=False, bad={"names": [["nope"], "basics", [3]], "device": ["tpu"]},
+         legal={"names": [None], "device": [None]}),
+    Case("parlearn.distributed.traffic.replace_collective",
+         lambda: dict(kind="all_reduce", old=_noop, new=_noop),
+         bad={"kind": ["allreduce"], "old": [3], "new": [3]}),
+    Case("parlearn.distributed.measure.sweep_collective",
+         lambda: dict(kinds=("all_reduce",), sizes=(64, 128), world_size=2, repeat=1, warmup=0),
+         ranges={"world_size": (2, 64)}, run_good=False,
+         bad={"kinds": [("allreduce",), ()], "sizes": [(2,), (), "64"], "repeat": [0],
+              "warmup": [-1]}),
+    Case("parlearn.distributed.measure.measure_alpha_beta",
+         lambda: dict(world_size=2, sizes=(64, 128), repeat=1), ranges={"world_size": (2, 64)},
+         run_good=False, bad={"sizes": [(2,), (), "64"], "repeat": [0]}),
+    Case("parlearn.distributed.measure.measure_links",
+         lambda: dict(world_size=2, sizes=(64, 128), repeat=1, kinds=("all_reduce",)),
+         ranges={"world_size": (2, 64)}, run_good=False,
+         bad={"sizes": [(2,), (), "64"], "repeat": [0], "kinds": [(), ("allreduce",)]}),
+    Case("parlearn.distributed.measure.other_load", lambda: dict(fn=_noop), bad={"fn": [3]}),
+    Case("parlearn.distributed.card.describe", lambda: dict(card=_card(), nbytes=2.0**20),
+         bad={"nbytes": [0.0, -1.0], "card": [3]}),
 ]
 
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
@@ -199,54 +259,51 @@ COVERED_ELSEWHERE: dict[str, str] = {
                        ("check_seed", "seed"), ("check_device", "device_and_str"),
                        ("check_str", "device_and_str")]
 }
-EXEMPT: dict[str, str] = {}
+_WORKERS = ("tests/distributed/test_worker_contract.py::"
+            "test_workers_refuse_bad_arguments_on_every_rank")
+COVERED_ELSEWHERE.update({
+    **{f"parlearn.distributed.collectives.{w}": _WORKERS
+       for w in ("ring_check", "ring_trace", "ring_ledger", "ring_vs_torch", "collectives_demo",
+                 "time_collectives", "ring_vs_gloo_times")},
+    **{f"parlearn.distributed.card.{f}": "tests/distributed/test_card.py::"
+       "test_bad_input_names_the_argument" for f in ("Card", "calibrate", "fit_card")},
+    "parlearn.core.datasets.Split":
+        "tests/core/test_datasets.py::test_split_refuses_labels_beyond_n_classes",
+    "parlearn.core.widgets.control": "tests/core/test_widgets.py::test_bad_controls_and_params",
+    "parlearn.core.widgets.Dashboard": ["tests/core/test_widgets.py::test_bad_controls_and_params",
+                                        "tests/core/test_widgets.py::test_ncols_is_checked"],
+    "parlearn.core.widgets.OptionalRun":
+        "tests/core/test_widgets.py::test_optional_run_now_runs_at_once_and_raises",
+    "parlearn.distributed.collectives.plot_collectives":
+        "tests/distributed/test_dist.py::test_plot_collectives_draws_every_collective",
+    "parlearn.distributed.collectives.ring_all_reduce":
+        "tests/distributed/test_worker_contract.py::test_ring_collectives_refuse_non_tensors",
+    "parlearn.distributed.collectives.ring_reduce_scatter":
+        "tests/distributed/test_worker_contract.py::test_ring_collectives_refuse_non_tensors",
+    "parlearn.distributed.collectives.ring_all_gather":
+        "tests/distributed/test_worker_contract.py::test_ring_collectives_refuse_non_tensors",
+    "parlearn.bench.main": "tests/test_bench.py::test_unknown_benchmark_is_refused",
+    "parlearn.distributed.measure.ring_vs_gloo":
+        "tests/distributed/test_measure.py::test_study_refuses_bad_arguments_naming_them",
+})
+EXEMPT: dict[str, str] = {
+    "parlearn.core.settings.is_fast": "takes no arguments; reads PARLEARN_FAST, checked there",
+    "parlearn.core.settings.banner": "takes no arguments, returns a line of text",
+    "parlearn.core.settings.size": "returns one of its two arguments as given: any value",
+    "parlearn.bench.registry": "takes no arguments, lists the bench entries",
+    "parlearn.distributed.card.anchors": "takes no arguments, returns published figures",
+    "parlearn.distributed.traffic.ledger": "takes no arguments: a context manager recording",
+    "parlearn.distributed.traffic.Ledger": "takes no arguments; the ledger() block builds it",
+    "parlearn.distributed.traffic.Record": "a record the ledger writes; users only read it",
+    "parlearn.core.timing.Timing": "a result record measure() builds; users only read it",
+    "parlearn.core.timing.Comparison": "a result record compare() builds; users only read it",
+    "parlearn.core.bench.Row": "a bench table row that bench functions build and print",
+    "parlearn.distributed.launch.RankError": "an exception run() raises, not called by users",
+    "parlearn.distributed.collectives.hello": "a worker of (rank, world_size) only, which run() "
+                                              "checks before it starts a rank",
+    "parlearn.distributed.measure.bench":
+        "a bench entry that python -m parlearn.bench runs with its own checked device and quick",
+}
 
 # Public callables whose contract test is still to be written (test_completeness: only shrinks).
-PENDING = [
-    "parlearn.bench.main",
-    "parlearn.bench.registry",
-    "parlearn.bench.run",
-    "parlearn.core.bench.Row",
-    "parlearn.core.bench.format_table",
-    "parlearn.core.bench.rows_in_fresh_process",
-    "parlearn.core.datasets.Split",
-    "parlearn.core.settings.banner",
-    "parlearn.core.settings.is_fast",
-    "parlearn.core.settings.size",
-    "parlearn.core.timing.Comparison",
-    "parlearn.core.timing.Timing",
-    "parlearn.core.viz.convergence",
-    "parlearn.core.viz.plot_measured_sweep",
-    "parlearn.core.viz.timeline",
-    "parlearn.core.widgets.Dashboard",
-    "parlearn.core.widgets.OptionalRun",
-    "parlearn.core.widgets.control",
-    "parlearn.distributed.card.Card",
-    "parlearn.distributed.card.anchors",
-    "parlearn.distributed.card.calibrate",
-    "parlearn.distributed.card.describe",
-    "parlearn.distributed.card.fit_card",
-    "parlearn.distributed.collectives.collectives_demo",
-    "parlearn.distributed.collectives.hello",
-    "parlearn.distributed.collectives.plot_collectives",
-    "parlearn.distributed.collectives.ring_all_gather",
-    "parlearn.distributed.collectives.ring_all_reduce",
-    "parlearn.distributed.collectives.ring_check",
-    "parlearn.distributed.collectives.ring_ledger",
-    "parlearn.distributed.collectives.ring_reduce_scatter",
-    "parlearn.distributed.collectives.ring_trace",
-    "parlearn.distributed.collectives.ring_vs_gloo_times",
-    "parlearn.distributed.collectives.ring_vs_torch",
-    "parlearn.distributed.collectives.time_collectives",
-    "parlearn.distributed.launch.RankError",
-    "parlearn.distributed.measure.bench",
-    "parlearn.distributed.measure.measure_alpha_beta",
-    "parlearn.distributed.measure.measure_links",
-    "parlearn.distributed.measure.other_load",
-    "parlearn.distributed.measure.ring_vs_gloo",
-    "parlearn.distributed.measure.sweep_collective",
-    "parlearn.distributed.traffic.Ledger",
-    "parlearn.distributed.traffic.Record",
-    "parlearn.distributed.traffic.ledger",
-    "parlearn.distributed.traffic.replace_collective",
-]
+PENDING: list[str] = []
