@@ -71,13 +71,13 @@ def shard_index(seq: int, world_size: int, rank: int, layout: str = "contiguous"
 def _check_qkv(q, k, v) -> None:
     check_tensor("q", q, ndim=4, floating=True)
     check_tensor("k", k, ndim=4, dtype=q.dtype)
+    if q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on "
+                         f"(batch, heads, ., head_dim)")
     check_tensor("v", v, shape=tuple(k.shape), dtype=q.dtype)
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, "
                          f"v {v.device}")
-    if q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on "
-                         f"(batch, heads, ., head_dim)")
 
 
 def _check_chunks(name: str, chunks, length: int, tensor: str) -> list[tuple[int, int]]:
@@ -215,6 +215,8 @@ def causal_work(seq: int, world_size: int, layout: str = "contiguous",
     """Score entries each rank computes over a whole ring pass (every key block visits),
     counted by the same tiles :func:`block_attention` computes."""
     causal = check_bool("causal", causal)
+    world_size = check_int("world_size", world_size, lo=1)
+    shard_chunks(seq, world_size, 0, layout)   # seq and layout checked before any work
     chunks = [shard_chunks(seq, world_size, r, layout) for r in range(world_size)]
     return [sum((rows.stop - rows.start) * (cols.stop - cols.start)
                 for src in chunks for rows, cols, _ in _tiles(mine, src, causal))

@@ -62,6 +62,9 @@ class MoE(nn.Module):
         if routing == "expert" and capacity_factor is None:
             self.capacity_factor = 1.0
         self.groups = check_int("groups", groups, lo=1)
+        out_std = check_float("out_std", out_std, lo=0)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         g = torch.Generator().manual_seed(check_int("seed", seed, lo=0))
         E, h, f = n_experts, d_model, d_ff
 
@@ -139,6 +142,7 @@ def moe_gpt(cfg: GPTConfig, n_experts: int, k: int = 1, *, capacity_factor: floa
 
 def moe_layers(model: nn.Module) -> list[MoE]:
     """The :class:`MoE` layers of ``model`` in order."""
+    check_module("model", model)
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 

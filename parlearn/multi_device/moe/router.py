@@ -93,7 +93,8 @@ def capacity(tokens: int, n_experts: int, k: int, capacity_factor: float | None)
 
 
 def _check(logits: torch.Tensor, k: int, capacity_factor: float | None) -> tuple[int, int]:
-    check_tensor("logits", logits, ndim=2, floating=True)
+    # NaN or inf logits route arbitrarily (topk of NaN): refused, not silently routed.
+    check_tensor("logits", logits, ndim=2, floating=True, finite=True)
     if logits.shape[1] < 1:
         raise ValueError(f"logits must have at least one expert column, got shape "
                          f"{tuple(logits.shape)}")

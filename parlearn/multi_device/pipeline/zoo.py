@@ -326,18 +326,21 @@ def validate(sched: Schedule) -> list[int]:
             for k in kinds:
                 got = sorted(op.mb for op in ops if op.kind == k and op.chunk == c)
                 if got != list(range(sched.micro_batches)):
-                    raise ValueError(f"rank {r} chunk {c}: {k} ops of micro-batches {got}, "
+                    raise ValueError(f"sched: rank {r} chunk {c}: {k} ops of micro-batches {got}, "
                                      f"want each of 0..{sched.micro_batches - 1} once")
         seen, level, top = set(), 0, 0
         for op in ops:
             need = {"F": None, "B": "F", "W": "B"}[op.kind]
             if need and (need, op.mb, op.chunk) not in seen:
-                raise ValueError(f"rank {r}: {op} before its {need}")
+                raise ValueError(f"sched: rank {r}: {op} before its {need}")
             seen.add((op.kind, op.mb, op.chunk))
             level += {"F": 1, kinds[-1]: -1}.get(op.kind, 0)
             top = max(top, level)
         peaks.append(top)
-    simulate(sched, 1, 1, 1) if sched.split else simulate(sched)   # raises on a deadlock
+    try:   # raises on a deadlock
+        simulate(sched, 1, 1, 1) if sched.split else simulate(sched)
+    except ValueError as e:
+        raise ValueError(f"sched: {e}") from None
     return peaks
 
 
