@@ -288,3 +288,123 @@ def test_torch_context_parallel_has_no_cpu_attention():
 def test_torch_context_parallel_cuda_equals_full_attention():
     errs = run(cp.torch_cp_worker, 2, args=("cuda",), timeout=60)
     assert max(errs) < 1e-4
+
+
+# ---------------------------------------------------------------------------------------
+# the contract at the edges: bad input fails fast, on every rank, naming the argument
+
+def _fails_on_every_rank(worker, n, match, args=(), timeout=10):
+    """``worker`` on ``n`` ranks must fail on every rank with a message matching ``match``,
+    well before the group timeout (a refusal, not a hang)."""
+    import re
+    import time
+
+    t0 = time.perf_counter()
+    with pytest.raises(RankError) as info:
+        run(worker, n, args=args, timeout=timeout, deadline=3 * timeout)
+    assert sorted(info.value.failures) == list(range(n)), info.value
+    for rank, text in info.value.failures.items():
+        assert re.search(match, text), f"rank {rank}: {text}"
+    assert time.perf_counter() - t0 < timeout, "the ranks waited for the group timeout"
+
+
+def _ring_mixed_dtypes(rank, world_size):
+    q = torch.zeros(1, 1, 4, 2, dtype=torch.float64)
+    k = torch.zeros(1, 1, 4, 2, dtype=torch.float32)
+    cp.ring_attention(q, k, k, seq=8)
+
+
+def _ring_dtype_differs_by_rank(rank, world_size):
+    dtype = torch.float64 if rank == 0 else torch.float32
+    q = torch.zeros(1, 1, 4, 2, dtype=dtype)
+    cp.ring_attention(q, q, q, seq=8)
+
+
+def _ring_bad_shard_on_rank_1(rank, world_size):
+    q = torch.zeros(1, 1, 4 if rank == 0 else 3, 2, dtype=torch.float64)
+    cp.ring_attention(q, q, q, seq=8)
+
+
+def _ulysses_heads_differ_by_rank(rank, world_size):
+    q = torch.zeros(1, 2 + 2 * rank, 4, 2, dtype=torch.float64)
+    cp.ulysses_attention(q, q, q, seq=8)
+
+
+def test_ring_attention_checks_dtypes_and_agreement_before_the_first_send():
+    _fails_on_every_rank(_ring_mixed_dtypes, 2, r"q, k and v must have one dtype")
+    _fails_on_every_rank(_ring_dtype_differs_by_rank, 2,
+                         r"q dtype must be the same on every rank")
+    # a refusal on one rank only is an error on the other rank too, not a hang
+    _fails_on_every_rank(_ring_bad_shard_on_rank_1, 2, r"q holds 3 tokens")
+    _fails_on_every_rank(_ulysses_heads_differ_by_rank, 2,
+                         r"q \(batch, heads, head_dim\) must be the same on every rank")
+
+
+def _cp_forward_wrong_positions(rank, world_size):
+    from parlearn import transformer
+    from parlearn.multi_device.context_parallel.gpt import cp_forward
+
+    cfg = transformer.GPTConfig(d_model=8, n_heads=2, n_layers=1, max_seq=16)
+    model = transformer.GPT(cfg, dtype=torch.float64)
+    idx = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    pos = cp.shard_index(12, world_size, rank, "contiguous")
+    # the tokens and positions of the contiguous layout, but layout="zigzag"
+    cp_forward(model, idx[:, pos], idx[:, pos], pos, seq=12, layout="zigzag")
+
+
+def test_cp_forward_refuses_positions_that_contradict_the_layout():
+    _fails_on_every_rank(_cp_forward_wrong_positions, 2,
+                         r"positions must be rank \d's shard of seq=12 in layout='zigzag'")
+
+
+def _gather_uneven(rank, world_size):
+    x = torch.zeros(3 + rank, 2, 4, dtype=torch.float64)   # 7 tokens cut 3 + 4
+    cp.GatherSequence.apply(x)
+
+
+def _scatter_uneven(rank, world_size):
+    cp.ScatterSequence.apply(torch.zeros(7, 2, 4, dtype=torch.float64))
+
+
+def _sp_block_uneven(rank, world_size):
+    full = cp.serial_block(4, 8, 0)
+    block = cp.SequenceParallelBlock(full, rank, world_size)
+    block(torch.zeros(3 + rank, 2, 4, dtype=torch.float64))
+
+
+def _sum_over_ranks_shapes_differ(rank, world_size):
+    from parlearn.multi_device.tensor_parallel import SumOverRanks
+
+    SumOverRanks.apply(torch.zeros(2 + rank, 3, dtype=torch.float64))
+
+
+def test_sequence_parallel_refuses_uneven_slices_on_every_rank():
+    _fails_on_every_rank(_gather_uneven, 2, r"x\.shape must be the same on every rank")
+    _fails_on_every_rank(_scatter_uneven, 2, r"sequence of x .*divisible by the group size 2")
+    _fails_on_every_rank(_sp_block_uneven, 2, r"x\.shape must be the same on every rank")
+    _fails_on_every_rank(_sum_over_ranks_shapes_differ, 2,
+                         r"x\.shape must be the same on every rank")
+
+
+def test_merge_refuses_shapes_it_would_broadcast():
+    o, lse = torch.zeros(2, 3, 4), torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="o2"):
+        cp.merge(o, lse, torch.zeros(1, 3, 4), lse)
+    with pytest.raises(ValueError, match="lse2"):
+        cp.merge(o, lse, o, torch.zeros(2, 1))
+    with pytest.raises(ValueError, match="lse1"):
+        cp.merge(o, torch.zeros(3), o, lse)
+    with pytest.raises(TypeError, match="o2"):
+        cp.merge(o, lse, o.double(), lse)
+
+
+def test_block_attention_refuses_chunks_that_do_not_cover_the_rows():
+    q, k, v, _ = cp.attention_inputs(6, seed=0)
+    with pytest.raises(ValueError, match="q_chunks"):   # 8 rows claimed, 6 held
+        cp.block_attention(q, k, v, [(0, 8)], [(0, 6)], True)
+    with pytest.raises(ValueError, match="k_chunks"):
+        cp.block_attention(q, k, v, [(0, 6)], [(0, 4)], False)
+    with pytest.raises(ValueError, match="q_chunks"):
+        cp.block_attention(q, k, v, [(3, 1)], [(0, 6)], False)
+    with pytest.raises(TypeError, match="k"):
+        cp.block_attention(q, k.float(), v, [(0, 6)], [(0, 6)], False)

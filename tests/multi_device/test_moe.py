@@ -9,10 +9,13 @@ stall the suite.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from parlearn import moe, transformer
 
@@ -198,3 +201,58 @@ def test_moe_gpt_trains_and_costs_what_the_dense_one_does_plus_the_router():
     mlp = transformer.count_params(cfg)["mlp"]
     assert sparse["params"] - dense["params"] == 3 * mlp + 16 * 4
     assert len(sparse["counts"]) == 3 and sum(sparse["counts"][0][0]) == 4 * 16
+
+
+# --- the contract at the edges ------------------------------------------------------------
+
+@pytest.mark.parametrize("routing", ["token", "expert"])
+def test_aux_losses_are_zero_not_nan_for_a_group_of_no_tokens(routing):
+    layer = moe.MoE(4, 8, 4, 2, capacity_factor=1.25, routing=routing, dtype=torch.float64)
+    x = torch.zeros(0, 4, dtype=torch.float64)
+    y = layer(x)
+    assert y.shape == (0, 4)
+    for name in ("balance", "z"):
+        assert torch.isfinite(layer.last[name]) and layer.last[name] == 0, name
+    (layer.last["balance"] + layer.last["z"]).backward()   # still in the router's graph
+    assert torch.isfinite(layer.router.weight.grad).all()
+    r = moe.token_choice(torch.zeros(0, 4, dtype=torch.float64), 1, 1.0)
+    assert moe.balance_loss(r) == 0 and moe.z_loss(r.logits) == 0
+
+
+def _ep_rank_without_tokens(rank, world_size):
+    full = moe.MoE(4, 8, 4, 2, capacity_factor=2.0, dtype=torch.float64)
+    layer = moe.ExpertParallelMoE(full, rank, world_size)
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(6 if rank == 0 else 0, 4, generator=gen, dtype=torch.float64)
+    y = layer(x)
+    loss = y.sum() + layer.last["balance"] + layer.last["z"]
+    loss.backward()
+    return [float(layer.last["balance"].detach()), float(layer.last["z"].detach()),
+            bool(torch.isfinite(layer.router.weight.grad).all())]
+
+
+def test_expert_parallel_rank_that_received_no_token_has_finite_aux_losses():
+    from parlearn.distributed import run
+
+    res = run(_ep_rank_without_tokens, 2, timeout=T, deadline=3 * T)
+    assert res[1][:2] == [0.0, 0.0] and res[1][2]
+    assert all(math.isfinite(v) for v in res[0][:2]) and res[0][2]
+
+
+def test_capacity_is_the_formula_in_exact_arithmetic():
+    # 1.1 * 90 * 2 / 6 is 33 exactly; in floats it is 33.000000000000004, whose ceiling is 34
+    assert moe.capacity(90, 6, 2, 1.1) == 33
+    assert moe.capacity(90, 6, 2, None) is None
+
+
+@given(tokens=st.integers(0, 10**4), n_experts=st.integers(1, 64), k_raw=st.integers(0, 63),
+       tenths=st.integers(1, 400))
+@example(tokens=90, n_experts=6, k_raw=1, tenths=11)   # the float ceiling's off-by-one
+def test_capacity_equals_the_formula_in_exact_arithmetic(tokens, n_experts, k_raw, tenths):
+    k = 1 + k_raw % n_experts
+    factor = tenths / 10   # a decimal factor such as 1.1 or 1.25's neighbours, as users type
+    cap = moe.capacity(tokens, n_experts, k, factor)
+    exact = Fraction(tenths, 10) * tokens * k / n_experts
+    # the smallest integer >= the exact value, checked without any float
+    assert cap >= exact and cap - 1 < exact
+    assert moe.capacity(tokens, n_experts, k, Fraction(tenths, 10)) == cap

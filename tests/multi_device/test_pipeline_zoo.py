@@ -3,6 +3,7 @@ each paper's formula, and executed on real gloo ranks against the single-process
 gradients. Multi-rank tests are bounded by the group timeout and dist.run's deadline."""
 
 import itertools
+import math
 
 import pytest
 
@@ -267,3 +268,48 @@ def test_dualpipe_v_bubble_is_deepseeks_at_equal_costs():
         pl.dualpipe_v(4, 7)
     with pytest.raises(ValueError, match="stages"):
         pl.dualpipe_v(0, 4)
+
+
+# --- the contract at the edges ------------------------------------------------------------
+
+def test_run_schedule_refuses_a_schedule_validate_rejects():
+    """A user's 1F1B that never runs micro-batch 5 on any rank: the step would finish with
+    gradients of 5 of the 6 micro-batches. It must be refused before the ranks start."""
+    good = zoo_schedule("1f1b", 2, 6)
+    short = pl.Schedule([[op for op in ops if op.mb != 5] for ops in good], "mine", 2, 6)
+    with pytest.raises(ValueError, match="want each"):
+        validate(short)
+    model = pl.make_model([3, 4, 2], seed=0)
+    x, y = pl.make_data(model, 12, seed=0)
+    with pytest.raises(ValueError, match="scheds.*want each of 0..5"):
+        run_schedule(short, model, x, y, timeout=10)
+    with pytest.raises(ValueError, match="scheds"):
+        run_schedule([good, short], model, x, y, timeout=10)
+
+
+def test_validate_refuses_ops_it_would_ignore():
+    good = zoo_schedule("1f1b", 2, 2)
+    extra = pl.Schedule([list(ops) for ops in good], "mine", 2, 2)
+    extra[0].append(pl.Op("F", 0, 3))   # a chunk the schedule does not have
+    with pytest.raises(ValueError, match="sched.*chunk"):
+        validate(extra)
+    odd = pl.Schedule([list(ops) for ops in good], "mine", 2, 2)
+    odd[1].append(pl.Op("X", 0))
+    with pytest.raises(ValueError, match="sched"):
+        validate(odd)
+    with pytest.raises(ValueError, match="one op list per rank"):
+        validate(pl.Schedule([list(good[0])], "mine", 2, 2))
+
+
+@pytest.mark.parametrize("arg,value", [("t_f", -1.0), ("t_b", math.nan), ("t_w", -1),
+                                       ("t_w", True), ("v", 0), ("v", True)])
+def test_paper_bubble_refuses_bad_costs(arg, value):
+    with pytest.raises((ValueError, TypeError), match=arg):
+        paper_bubble("1f1b", 4, **{arg: value})
+
+
+@pytest.mark.parametrize("v", [0, -1, True, 2.0])
+def test_in_flight_formula_refuses_bad_v_for_every_kind(v):
+    for kind in ZOO:
+        with pytest.raises((ValueError, TypeError), match="v"):
+            in_flight_formula(kind, 4, 8, v=v)

@@ -70,11 +70,34 @@ def shard_index(seq: int, world_size: int, rank: int, layout: str = "contiguous"
 
 def _check_qkv(q, k, v) -> None:
     check_tensor("q", q, ndim=4, floating=True)
-    check_tensor("k", k, ndim=4, floating=True)
-    check_tensor("v", v, shape=tuple(k.shape))
+    check_tensor("k", k, ndim=4, dtype=q.dtype)
     if q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on "
                          f"(batch, heads, ., head_dim)")
+    check_tensor("v", v, shape=tuple(k.shape), dtype=q.dtype)
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, "
+                         f"v {v.device}")
+
+
+def _check_chunks(name: str, chunks, length: int, tensor: str) -> list[tuple[int, int]]:
+    """``chunks`` a list of ``(start, stop)`` with ``0 <= start < stop`` whose lengths add up
+    to ``length``, the rows of ``tensor`` (nothing silently truncated or left out)."""
+    if isinstance(chunks, (str, bytes)) or not isinstance(chunks, (list, tuple)):
+        raise TypeError(f"{name} must be a list of (start, stop) pairs, got {chunks!r}")
+    out = []
+    for c in chunks:
+        if (not isinstance(c, (list, tuple)) or len(c) != 2
+                or any(isinstance(x, bool) or not isinstance(x, int) for x in c)
+                or not 0 <= c[0] < c[1]):
+            raise ValueError(f"{name} must hold (start, stop) int pairs with 0 <= start < "
+                             f"stop, got {c!r} in {chunks!r}")
+        out.append((int(c[0]), int(c[1])))
+    total = sum(b - a for a, b in out)
+    if total != length:
+        raise ValueError(f"{name} must cover the {length} rows of {tensor} (chunk lengths "
+                         f"adding up to {length}), got {chunks!r} ({total} rows)")
+    return out
 
 
 def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False
@@ -117,7 +140,15 @@ def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Te
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The online-softmax merge of two partial attentions over disjoint key sets:
     ``lse = log(e^lse1 + e^lse2)``, ``o = e^(lse1-lse) o1 + e^(lse2-lse) o2``. A row with
-    ``lse = -inf`` (no keys seen) contributes nothing."""
+    ``lse = -inf`` (no keys seen) contributes nothing. ``o1`` and ``o2`` must have one shape
+    and dtype, ``lse1`` and ``lse2`` that shape without its last dimension (nothing is
+    broadcast)."""
+    check_tensor("o1", o1, floating=True)
+    if o1.dim() < 1:
+        raise ValueError(f"o1 must have at least 1 dimension, got shape {tuple(o1.shape)}")
+    check_tensor("o2", o2, shape=tuple(o1.shape), dtype=o1.dtype)
+    check_tensor("lse1", lse1, shape=tuple(o1.shape[:-1]), dtype=o1.dtype)
+    check_tensor("lse2", lse2, shape=tuple(o1.shape[:-1]), dtype=o1.dtype)
     lse = torch.logaddexp(lse1, lse2)
     safe = _safe(lse)
     return (torch.exp(lse1 - safe)[..., None] * o1
@@ -130,7 +161,12 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Attention of the queries ``q`` (global chunks ``q_chunks``) over the keys ``k, v``
     (chunks ``k_chunks``) alone: ``(o, lse, work)`` with ``lse`` the log-sum-exp of each
     query row's scores (-inf where the mask hides every key) and ``work`` the score
-    entries computed. No autograd: the schemes write their own backward."""
+    entries computed. No autograd: the schemes write their own backward. The chunks'
+    lengths must add up to the rows of ``q`` and of ``k`` (nothing is truncated)."""
+    _check_qkv(q, k, v)
+    q_chunks = _check_chunks("q_chunks", q_chunks, q.shape[-2], "q")
+    k_chunks = _check_chunks("k_chunks", k_chunks, k.shape[-2], "k")
+    causal = check_bool("causal", causal)
     scale = 1.0 / math.sqrt(q.shape[-1])
     o = torch.zeros_like(q)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
@@ -152,6 +188,13 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.
     """One key block's share of the attention gradient: ``(dq, dk, dv)``, with ``lse`` the
     FINAL log-sum-exp of the query rows (after every block was merged) and ``delta`` the
     row sums of ``do * o``. ``dq`` sums over blocks; ``dk, dv`` belong to this block."""
+    _check_qkv(q, k, v)
+    check_tensor("do", do, shape=tuple(q.shape), dtype=q.dtype)
+    check_tensor("lse", lse, shape=tuple(q.shape[:-1]), dtype=q.dtype)
+    check_tensor("delta", delta, shape=tuple(q.shape[:-1]), dtype=q.dtype)
+    q_chunks = _check_chunks("q_chunks", q_chunks, q.shape[-2], "q")
+    k_chunks = _check_chunks("k_chunks", k_chunks, k.shape[-2], "k")
+    causal = check_bool("causal", causal)
     scale = 1.0 / math.sqrt(q.shape[-1])
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for rows, cols, mask in _tiles(q_chunks, k_chunks, causal):
@@ -171,6 +214,9 @@ def causal_work(seq: int, world_size: int, layout: str = "contiguous",
                 causal: bool = True) -> list[int]:
     """Score entries each rank computes over a whole ring pass (every key block visits),
     counted by the same tiles :func:`block_attention` computes."""
+    causal = check_bool("causal", causal)
+    world_size = check_int("world_size", world_size, lo=1)
+    shard_chunks(seq, world_size, 0, layout)   # seq and layout checked before any work
     chunks = [shard_chunks(seq, world_size, r, layout) for r in range(world_size)]
     return [sum((rows.stop - rows.start) * (cols.stop - cols.start)
                 for src in chunks for rows, cols, _ in _tiles(mine, src, causal))
@@ -180,6 +226,12 @@ def causal_work(seq: int, world_size: int, layout: str = "contiguous",
 def idle_fraction(work: list[int]) -> float:
     """Share of the ranks' time spent waiting when the slowest sets the pace:
     ``1 - mean(work) / max(work)``."""
+    if isinstance(work, (str, bytes)) or not isinstance(work, (list, tuple)):
+        raise TypeError(f"work must be a list of numbers, got {work!r}")
+    for w in work:
+        if (isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w)
+                or w < 0):
+            raise ValueError(f"work must hold finite numbers >= 0, got {w!r} in {work!r}")
     if not work or max(work) <= 0:
         raise ValueError(f"work must be a non-empty list with a positive entry, got {work}")
     return 1.0 - sum(work) / len(work) / max(work)

@@ -119,6 +119,16 @@ def timeline_summary(timeline: list) -> dict:
     did NOT hide behind computation."""
     if not isinstance(timeline, list):
         raise TypeError(f"timeline must be a list, got {type(timeline).__name__}")
+    for entry in timeline:
+        if (not isinstance(entry, (list, tuple)) or len(entry) != 4
+                or not isinstance(entry[0], str)):
+            raise ValueError(f"timeline must hold (label, step, t0, t1) entries, got "
+                             f"{entry!r}")
+        if entry[0] == "work":   # ("work", entries, 0, 0): a count, not a span
+            continue
+        t0 = check_float("timeline t0", entry[2])
+        if check_float("timeline t1", entry[3]) < t0:
+            raise ValueError(f"timeline entry {entry!r} ends before it starts")
     out = {"fwd compute": 0.0, "fwd wait": 0.0, "bwd compute": 0.0, "bwd wait": 0.0}
     for label, _, t0, t1 in timeline:
         key = "bwd wait" if label == "bwd grad wait" else label

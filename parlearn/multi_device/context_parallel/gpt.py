@@ -20,10 +20,11 @@ import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 
-from parlearn.core.checks import check_choice, check_int
+from parlearn.core.checks import check_choice, check_float, check_int, check_tensor
 from parlearn.multi_device.context_parallel.blocks import LAYOUTS, shard_index
 from parlearn.multi_device.context_parallel.ring import ring_attention
 from parlearn.multi_device.context_parallel.ulysses import ulysses_attention
+from parlearn.multi_device.tensor_parallel._agree import agree
 from parlearn.multi_device.transformer.corpus import get_batch, pydoc_corpus
 from parlearn.multi_device.transformer.model import GPT, GPTConfig, _rotate_half
 
@@ -32,14 +33,44 @@ __all__ = ["cp_forward", "train_batches", "serial_train", "cp_train", "cp_train_
 _ATTENTION = {"ring": ring_attention, "ulysses": ulysses_attention}
 
 
+def _check_cp_forward(model, idx, targets, positions, seq, layout, scheme) -> None:
+    check_choice("scheme", scheme, tuple(_ATTENTION))
+    if not isinstance(model, GPT):
+        raise TypeError(f"model must be a parlearn GPT, got {type(model).__name__}")
+    check_choice("layout", layout, LAYOUTS)
+    seq = check_int("seq", seq, lo=1, hi=model.cfg.max_seq)
+    check_tensor("idx", idx, ndim=2, floating=False)
+    check_tensor("targets", targets, shape=tuple(idx.shape), floating=False)
+    check_tensor("positions", positions, ndim=1, floating=False)
+    # The positions must be where ``layout`` puts this rank's tokens: the attention's causal
+    # mask follows the layout, the rotary angles follow the positions; a contradiction
+    # would mix the two silently.
+    want = shard_index(seq, tdist.get_world_size(), tdist.get_rank(), layout)
+    if positions.shape != want.shape or not torch.equal(positions.cpu(), want):
+        raise ValueError(f"positions must be rank {tdist.get_rank()}'s shard of seq={seq} in "
+                         f"layout={layout!r}, {want.tolist()}, got {positions.tolist()}")
+    if idx.shape[1] != len(want):
+        raise ValueError(f"idx must hold this rank's {len(want)} tokens per row "
+                         f"(seq={seq}, layout={layout!r}), got shape {tuple(idx.shape)}")
+
+
 def cp_forward(model: GPT, idx: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
                *, seq: int, layout: str = "contiguous", scheme: str = "ring") -> torch.Tensor:
     """This rank's share of the loss: the SUM of cross-entropy over its tokens ``idx``
     (``(batch, shard_len)``, global ``positions``) divided by ``batch * seq``, so the
     ranks' shares add up to the mean loss of the whole sequence. Must run on a group."""
-    check_choice("scheme", scheme, tuple(_ATTENTION))
-    if not isinstance(model, GPT):
-        raise TypeError(f"model must be a parlearn GPT, got {type(model).__name__}")
+    if not tdist.is_initialized():
+        raise RuntimeError("cp_forward needs an initialised torch.distributed group")
+    # Checked on every rank, then agreed before the first message, so a refusal on one rank
+    # is an error on every rank (not a hang of the others inside the attention exchange).
+    err = None
+    try:
+        _check_cp_forward(model, idx, targets, positions, seq, layout, scheme)
+    except (TypeError, ValueError) as e:
+        err = e
+    agree({"seq": seq, "layout": layout, "scheme": scheme,
+           "idx batch": idx.shape[0] if isinstance(idx, torch.Tensor) and idx.dim() else None},
+          err)
     attention = _ATTENTION[scheme]
     b, s = idx.shape
     x = model.tok(idx)
@@ -65,6 +96,9 @@ def train_batches(steps: int, batch: int, seq: int, seed: int
                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The ``(idx, targets)`` of each step, drawn from the pydoc corpus by ``seed``: the
     same list on every rank, so a rank can cut out its share without any message."""
+    steps, batch, seq = (check_int(n, v, lo=1) for n, v in
+                         (("steps", steps), ("batch", batch), ("seq", seq)))
+    seed = check_int("seed", seed, lo=0)
     gen = torch.Generator().manual_seed(seed)
     ids = pydoc_corpus().train
     return [get_batch(ids, batch, seq, gen) for _ in range(steps)]
@@ -89,6 +123,8 @@ def serial_train(cfg: GPTConfig, *, steps: int = 3, batch: int = 2, seq: int = 1
     steps, batch, seq = (check_int(n, v, lo=1) for n, v in
                          (("steps", steps), ("batch", batch), ("seq", seq)))
     check_choice("optimizer", optimizer, tuple(_OPTIMIZERS))
+    lr = check_float("lr", lr, lo=0, lo_open=True)
+    seed = check_int("seed", seed, lo=0)
     model = GPT(_cfg(cfg, seq), dtype=torch.float64)
     opt = _OPTIMIZERS[optimizer](model.parameters(), lr=lr)
     losses = []
@@ -135,5 +171,8 @@ def cp_train(cfg: GPTConfig, world_size: int = 2, *, steps: int = 3, batch: int 
                          (("steps", steps), ("batch", batch), ("seq", seq)))
     check_choice("layout", layout, LAYOUTS)
     check_choice("scheme", scheme, tuple(_ATTENTION))
+    lr = check_float("lr", lr, lo=0, lo_open=True)
+    seed = check_int("seed", seed, lo=0)
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     return run(cp_train_worker, world_size, timeout=timeout,
                args=(_cfg(cfg, seq), steps, batch, seq, lr, seed, layout, scheme))

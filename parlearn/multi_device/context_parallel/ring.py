@@ -34,6 +34,7 @@ from parlearn.multi_device.context_parallel.blocks import (
     merge,
     shard_chunks,
 )
+from parlearn.multi_device.tensor_parallel._agree import agree
 
 __all__ = ["ring_attention", "RingAttention"]
 
@@ -125,6 +126,34 @@ class RingAttention(torch.autograd.Function):
         return dq, dkv[0], dkv[1], None, None, None, None
 
 
+def _bhd(t) -> tuple | None:
+    return (*t.shape[:2], t.shape[-1]) if isinstance(t, torch.Tensor) and t.dim() == 4 else None
+
+
+def _check_ring_args(q, k, v, seq, layout, causal, timeline, world: int) -> None:
+    seq = check_int("seq", seq, lo=1)
+    check_choice("layout", layout, LAYOUTS)
+    check_bool("causal", causal)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, ndim=4, floating=True)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must have one dtype, got q {q.dtype}, k {k.dtype}, "
+                        f"v {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, "
+                         f"v {v.device}")
+    mine = sum(b - a for a, b in shard_chunks(seq, world, tdist.get_rank(), layout))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[-2] != mine:
+            raise ValueError(f"{name} holds {t.shape[-2]} tokens but rank "
+                             f"{tdist.get_rank()}'s shard of seq={seq} ({layout}) has {mine}")
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must "
+                         f"agree on (batch, heads, ., head_dim)")
+    if timeline is not None and not isinstance(timeline, list):
+        raise TypeError(f"timeline must be a list or None, got {type(timeline).__name__}")
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq: int,
                    layout: str = "contiguous", causal: bool = False,
                    timeline: list | None = None) -> torch.Tensor:
@@ -140,19 +169,16 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq: in
     world = tdist.get_world_size()
     if world < 2:
         raise ValueError(f"ring attention needs world_size >= 2 (a ring), got {world}")
-    seq = check_int("seq", seq, lo=1)
-    check_choice("layout", layout, LAYOUTS)
-    causal = check_bool("causal", causal)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, t, ndim=4, floating=True)
-    mine = sum(b - a for a, b in shard_chunks(seq, world, tdist.get_rank(), layout))
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.shape[-2] != mine:
-            raise ValueError(f"{name} holds {t.shape[-2]} tokens but rank "
-                             f"{tdist.get_rank()}'s shard of seq={seq} ({layout}) has {mine}")
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must "
-                         f"agree on (batch, heads, ., head_dim)")
-    if timeline is not None and not isinstance(timeline, list):
-        raise TypeError(f"timeline must be a list or None, got {type(timeline).__name__}")
+    # Every check runs on every rank and the verdicts are exchanged before the first send:
+    # a rank that fails after its neighbours posted their sends would leave them waiting.
+    err = None
+    try:
+        _check_ring_args(q, k, v, seq, layout, causal, timeline, world)
+    except (TypeError, ValueError) as e:
+        err = e
+    agree({"seq": seq, "layout": layout, "causal": causal,
+           "q dtype": str(getattr(q, "dtype", None)),
+           "k dtype": str(getattr(k, "dtype", None)),
+           "v dtype": str(getattr(v, "dtype", None)),
+           "q (batch, heads, head_dim)": _bhd(q), "k (batch, heads, head_dim)": _bhd(k)}, err)
     return RingAttention.apply(q, k, v, seq, layout, causal, timeline)

@@ -32,11 +32,32 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
 
-from parlearn.core.checks import check_int, check_module
+from parlearn.core.checks import check_int, check_module, check_tensor
+from parlearn.multi_device.tensor_parallel._agree import agree
 from parlearn.multi_device.tensor_parallel.megatron import CopyToRanks, SumOverRanks
 
 __all__ = ["GatherSequence", "ScatterSequence", "SequenceParallelBlock", "TensorParallelBlock",
            "serial_block", "sp_block_worker"]
+
+
+def _check_agree(x, group, dim, scatter: bool) -> int:
+    """Check ``x`` and ``dim`` on every rank and that the ranks hold the same shape and
+    dtype (equal slices: an uneven one would abort inside the collective), before the
+    first message; returns ``dim`` made non-negative."""
+    err = None
+    try:
+        check_tensor("x", x)
+        dim = check_int("dim", dim, lo=-max(x.dim(), 1), hi=max(x.dim(), 1) - 1)
+        dim %= max(x.dim(), 1)
+        world = tdist.get_world_size(group)
+        if scatter and x.shape[dim] % world:
+            raise ValueError(f"sequence parallelism needs the sequence of x (dim {dim}, "
+                             f"{x.shape[dim]} tokens) divisible by the group size {world}")
+    except (TypeError, ValueError) as e:
+        err = e
+    agree({"x.shape": tuple(x.shape) if isinstance(x, torch.Tensor) else None,
+           "x.dtype": str(getattr(x, "dtype", None)), "dim": dim}, err, group=group)
+    return dim
 
 
 def _gather(x: torch.Tensor, group=None, dim: int = 0) -> torch.Tensor:
@@ -63,6 +84,7 @@ class GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group=None, dim: int = 0):
+        dim = _check_agree(x, group, dim, scatter=False)
         ctx.group, ctx.dim = group, dim
         return _gather(x, group, dim)
 
@@ -77,6 +99,7 @@ class ScatterSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group=None, dim: int = 0):
+        dim = _check_agree(x, group, dim, scatter=True)
         ctx.group, ctx.dim = group, dim
         return _scatter(x, group, dim)
 
@@ -88,6 +111,8 @@ class ScatterSequence(torch.autograd.Function):
 def serial_block(d_model: int, d_hidden: int, seed: int = 0) -> nn.Sequential:
     """The reference: ``[LayerNorm, Linear, GELU, Linear]`` (float64, no bias on the
     linears); the block computes ``x + mlp(ln(x))``."""
+    d_model, d_hidden = check_int("d_model", d_model, lo=1), check_int("d_hidden", d_hidden, lo=1)
+    seed = check_int("seed", seed, lo=0)
     gen = torch.Generator().manual_seed(seed)
     block = nn.Sequential(nn.LayerNorm(d_model), nn.Linear(d_model, d_hidden, bias=False),
                           nn.GELU(), nn.Linear(d_hidden, d_model, bias=False)).double()
@@ -151,12 +176,15 @@ def sp_block_worker(rank: int, world_size: int, seq: int, batch: int, d_model: i
     from parlearn.distributed import ledger
     from parlearn.multi_device.context_parallel.workers import saved_bytes
 
+    world_size = check_int("world_size", world_size, lo=1)
+    rank = check_int("rank", rank, lo=0, hi=world_size - 1)
+    seq, batch = check_int("seq", seq, lo=1), check_int("batch", batch, lo=1)
+    if seq % world_size:
+        raise ValueError(f"seq={seq} must be divisible by world_size={world_size} for SP")
     full = serial_block(d_model, d_hidden, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(seq, batch, d_model, generator=gen, dtype=torch.float64)
     w = torch.randn(seq, batch, d_model, generator=gen, dtype=torch.float64)
-    if seq % world_size:
-        raise ValueError(f"seq={seq} must be divisible by world_size={world_size} for SP")
     mine = slice(rank * seq // world_size, (rank + 1) * seq // world_size)
     out: dict = {}
     for name, block, xin, win in (("tp", TensorParallelBlock, x, w),

@@ -24,6 +24,7 @@ import torch.distributed as tdist
 
 from parlearn.core.checks import check_bool, check_choice, check_int, check_tensor
 from parlearn.multi_device.context_parallel.blocks import LAYOUTS, shard_chunks, shard_index
+from parlearn.multi_device.tensor_parallel._agree import agree
 
 __all__ = ["AllToAll", "ulysses_attention"]
 
@@ -73,19 +74,34 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq:
     if not tdist.is_initialized():
         raise RuntimeError("ulysses_attention needs an initialised torch.distributed group")
     world, rank = tdist.get_world_size(), tdist.get_rank()
-    seq = check_int("seq", seq, lo=1)
-    check_choice("layout", layout, LAYOUTS)
-    causal = check_bool("causal", causal)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, t, shape=tuple(q.shape), floating=True)
-    heads = q.shape[1]
-    if heads % world:
-        raise ValueError(f"Ulysses needs the degree (world_size={world}) to divide the number "
-                         f"of heads (q.shape[1]={heads}); the degree can be at most {heads}")
-    lengths = [sum(b - a for a, b in shard_chunks(seq, world, r, layout)) for r in range(world)]
-    if q.shape[-2] != lengths[rank]:
-        raise ValueError(f"q holds {q.shape[-2]} tokens but rank {rank}'s shard of seq={seq} "
-                         f"({layout}) has {lengths[rank]}")
+    # Every rank checks, then the verdicts and what must match are exchanged before the
+    # all-to-all: a refusal on one rank is an error on all of them, never a hang.
+    err = None
+    try:
+        seq = check_int("seq", seq, lo=1)
+        check_choice("layout", layout, LAYOUTS)
+        causal = check_bool("causal", causal)
+        check_tensor("q", q, ndim=4, floating=True)
+        for name, t in (("k", k), ("v", v)):
+            check_tensor(name, t, shape=tuple(q.shape), dtype=q.dtype)
+            if t.device != q.device:
+                raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+        heads = q.shape[1]
+        if heads % world:
+            raise ValueError(f"Ulysses needs the degree (world_size={world}) to divide the "
+                             f"number of heads (q.shape[1]={heads}); the degree can be at "
+                             f"most {heads}")
+        lengths = [sum(b - a for a, b in shard_chunks(seq, world, r, layout))
+                   for r in range(world)]
+        if q.shape[-2] != lengths[rank]:
+            raise ValueError(f"q holds {q.shape[-2]} tokens but rank {rank}'s shard of "
+                             f"seq={seq} ({layout}) has {lengths[rank]}")
+    except (TypeError, ValueError) as e:
+        err = e
+    agree({"seq": seq, "layout": layout, "causal": causal,
+           "q dtype": str(getattr(q, "dtype", None)),
+           "q (batch, heads, head_dim)": (*q.shape[:2], q.shape[-1])
+           if isinstance(q, torch.Tensor) and q.dim() == 4 else None}, err)
     group = heads // world
     qkv = torch.stack((q, k, v))  # (3, b, H, s_r, d): heads are dim 2, sequence dim 3
     # sequence shard, all heads  ->  whole sequence (in rank order), H/N heads

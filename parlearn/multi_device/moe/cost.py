@@ -29,6 +29,12 @@ from parlearn.core.checks import check_float, check_int
 __all__ = ["all_to_all_bytes", "imbalance", "capacity_trade", "ep_pays"]
 
 
+def _seq(name: str, value) -> list:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a list of ints, got {value!r}")
+    return list(value)
+
+
 def all_to_all_bytes(tokens: int, d_model: int, k: int, ep: int, element_bytes: int = 4
                      ) -> dict[str, float]:
     """Modeled ``{"payload", "wire"}`` bytes each way per rank, one MoE forward (module
@@ -41,7 +47,7 @@ def all_to_all_bytes(tokens: int, d_model: int, k: int, ep: int, element_bytes: 
 
 def imbalance(counts: Sequence[int]) -> float:
     """``max / mean`` of the tokens per expert (1 when balanced; 1 for no tokens at all)."""
-    counts = [check_int("counts", c, lo=0) for c in counts]
+    counts = [check_int("counts", c, lo=0) for c in _seq("counts", counts)]
     if not counts:
         raise ValueError("counts must name at least one expert")
     mean = sum(counts) / len(counts)
@@ -53,7 +59,9 @@ def capacity_trade(wanted: Sequence[int], capacity: int | None) -> dict[str, flo
     ``dropped`` assignments, ``padding`` rows computed for nothing, ``rows`` the busiest
     expert computes (its time, modeled), and ``rows_needed`` the balanced ideal
     ``ceil(sum / E)``."""
-    wanted = [check_int("wanted", w, lo=0) for w in wanted]
+    wanted = [check_int("wanted", w, lo=0) for w in _seq("wanted", wanted)]
+    if not wanted:
+        raise ValueError("wanted must name at least one expert")
     E, total = len(wanted), sum(wanted)
     ideal = -(-total // E) if E else 0
     if capacity is None:

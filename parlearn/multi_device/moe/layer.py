@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parlearn.core.checks import check_choice, check_float, check_int
+from parlearn.core.checks import check_choice, check_float, check_int, check_module, check_tensor
 from parlearn.multi_device.moe.router import (
     Routing,
     balance_loss,
@@ -62,6 +62,9 @@ class MoE(nn.Module):
         if routing == "expert" and capacity_factor is None:
             self.capacity_factor = 1.0
         self.groups = check_int("groups", groups, lo=1)
+        out_std = check_float("out_std", out_std, lo=0)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         g = torch.Generator().manual_seed(check_int("seed", seed, lo=0))
         E, h, f = n_experts, d_model, d_ff
 
@@ -90,7 +93,8 @@ class MoE(nn.Module):
         per expert before and after capacity, summed over groups), ``dropped``
         (assignments) and ``unrouted`` (tokens no expert computes), ``capacity`` (per
         expert and group)."""
-        if x.shape[-1] != self.d_model:
+        check_tensor("x", x, floating=True)
+        if x.dim() < 1 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must end in d_model={self.d_model}, got {tuple(x.shape)}")
         tokens = x.reshape(-1, self.d_model)
         if tokens.shape[0] % self.groups:
@@ -138,11 +142,15 @@ def moe_gpt(cfg: GPTConfig, n_experts: int, k: int = 1, *, capacity_factor: floa
 
 def moe_layers(model: nn.Module) -> list[MoE]:
     """The :class:`MoE` layers of ``model`` in order."""
+    check_module("model", model)
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
 def aux_loss(model: nn.Module, balance: float = 0.01, z: float = 0.0) -> torch.Tensor:
     """``balance * sum balance_loss + z * sum z_loss`` over the MoE layers' last forward."""
+    check_module("model", model)
+    check_float("balance", balance, lo=0)
+    check_float("z", z, lo=0)
     layers = moe_layers(model)
     if not layers or not all(m.last for m in layers):
         raise ValueError("model has no MoE layer that has run a forward")

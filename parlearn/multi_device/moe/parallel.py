@@ -30,9 +30,10 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from parlearn.core.checks import check_int
+from parlearn.core.checks import check_int, check_tensor
 from parlearn.multi_device.moe.layer import MoE, moe_layers
 from parlearn.multi_device.moe.router import Routing
+from parlearn.multi_device.tensor_parallel._agree import agree
 
 __all__ = ["AllToAll", "ExpertParallelMoE", "mesh_groups", "to_expert_parallel", "sync_grads"]
 
@@ -63,6 +64,8 @@ class ExpertParallelMoE(MoE):
     from) each EP rank in the last forward's dispatch."""
 
     def __init__(self, full: MoE, ep_rank: int, ep_size: int, group=None):
+        if not isinstance(full, MoE) or isinstance(full, ExpertParallelMoE):
+            raise TypeError(f"full must be a parlearn MoE, got {type(full).__name__}")
         ep_size = check_int("ep_size", ep_size, lo=1)
         ep_rank = check_int("ep_rank", ep_rank, lo=0, hi=ep_size - 1)
         if full.n_experts % ep_size:
@@ -111,6 +114,17 @@ class ExpertParallelMoE(MoE):
         return torch.zeros_like(x).index_add(0, token, back * r.gate[token, slot, None])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Checked on every rank and agreed before the all-to-alls: a rank that refused x
+        # alone would leave the others waiting in the dispatch.
+        err = None
+        try:
+            check_tensor("x", x, floating=True)
+            if x.dim() < 1 or x.shape[-1] != self.d_model:
+                raise ValueError(f"x must end in d_model={self.d_model}, got "
+                                 f"{tuple(x.shape)}")
+        except (TypeError, ValueError) as e:
+            err = e
+        agree({"x.dtype": str(getattr(x, "dtype", None))}, err, group=self.group)
         y = super().forward(x)
         self.last["sent"], self.last["received"] = self.sent, self.received
         return y

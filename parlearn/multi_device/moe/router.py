@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
-from parlearn.core.checks import check_float, check_int
+from parlearn.core.checks import check_float, check_int, check_tensor
 
 __all__ = ["Routing", "capacity", "token_choice", "expert_choice", "balance_loss", "z_loss"]
 
@@ -68,23 +69,41 @@ class Routing:
         return int((~self.kept.any(1)).sum())
 
 
+def _exact(name: str, value) -> Fraction:
+    """``value`` (> 0) as an exact fraction: a float as the decimal it prints as (``1.1`` is
+    11/10, not the binary double just above it, whose product can cross an integer and move
+    a ceiling by one), an int or a Fraction as itself."""
+    if isinstance(value, Fraction):
+        if value <= 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+        return value
+    return Fraction(repr(check_float(name, value, lo=0, lo_open=True)))
+
+
 def capacity(tokens: int, n_experts: int, k: int, capacity_factor: float | None) -> int | None:
-    """``ceil(capacity_factor * tokens * k / n_experts)`` (None when the factor is None)."""
+    """``ceil(capacity_factor * tokens * k / n_experts)`` (None when the factor is None),
+    computed in exact arithmetic: a float factor counts as the decimal it prints as, so
+    ``capacity(90, 6, 2, 1.1)`` is ``ceil(33) = 33`` (float products would give 34)."""
+    tokens = check_int("tokens", tokens, lo=0)
+    n_experts = check_int("n_experts", n_experts, lo=1)
+    k = check_int("k", k, lo=1, hi=n_experts)
     if capacity_factor is None:
         return None
-    return math.ceil(capacity_factor * tokens * k / n_experts)
+    return math.ceil(_exact("capacity_factor", capacity_factor) * tokens * k / n_experts)
 
 
 def _check(logits: torch.Tensor, k: int, capacity_factor: float | None) -> tuple[int, int]:
-    if not isinstance(logits, torch.Tensor) or logits.ndim != 2:
-        raise ValueError(f"logits must be a (tokens, experts) tensor, got "
-                         f"{getattr(logits, 'shape', type(logits).__name__)}")
+    # NaN or inf logits route arbitrarily (topk of NaN): refused, not silently routed.
+    check_tensor("logits", logits, ndim=2, floating=True, finite=True)
+    if logits.shape[1] < 1:
+        raise ValueError(f"logits must have at least one expert column, got shape "
+                         f"{tuple(logits.shape)}")
     E = logits.shape[1]
     k = check_int("k", k, lo=1)
     if k > E:
         raise ValueError(f"k={k} must be at most the number of experts ({E})")
     if capacity_factor is not None:
-        check_float("capacity_factor", capacity_factor, lo=0, lo_open=True)
+        _exact("capacity_factor", capacity_factor)
     return E, k
 
 
@@ -125,12 +144,22 @@ def expert_choice(logits: torch.Tensor, k: int = 1, capacity_factor: float = 1.0
 
 
 def balance_loss(r: Routing) -> torch.Tensor:
-    """Switch load-balancing loss ``E * sum_e f_e P_e`` of one group (module docstring)."""
+    """Switch load-balancing loss ``E * sum_e f_e P_e`` of one group (module docstring); 0
+    for a group of no tokens (nothing to balance; ``f`` and ``P`` would be 0/0), still
+    attached to the router's graph so a backward through it runs on every rank."""
+    if not isinstance(r, Routing):
+        raise TypeError(f"r must be a Routing, got {type(r).__name__}")
     E = r.n_experts
+    if r.expert.numel() == 0:
+        return r.probs.sum() * 0.0
     f = r.wanted.to(r.probs.dtype) / r.expert.numel()
     return E * (f * r.probs.mean(0)).sum()
 
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """Router z-loss ``mean_t (logsumexp_e logits_te)^2`` (Zoph et al. 2022)."""
+    """Router z-loss ``mean_t (logsumexp_e logits_te)^2`` (Zoph et al. 2022); 0 for no
+    tokens (the mean of nothing would be NaN), attached to ``logits``' graph."""
+    check_tensor("logits", logits, ndim=2, floating=True)
+    if logits.shape[0] == 0:
+        return logits.sum() * 0.0
     return torch.logsumexp(logits, dim=-1).square().mean()

@@ -25,11 +25,22 @@ __all__ = ["split_layers", "partition_equal", "partition_balanced", "stage_costs
 # ---------------------------------------------------------------------------------------
 # Partitioning (in the spirit of LAMP): balanced contiguous stages from measured costs.
 
+def _costs(costs) -> list[float]:
+    if isinstance(costs, (str, bytes)) or not isinstance(costs, Sequence):
+        raise TypeError(f"costs must be a list of numbers, got {costs!r}")
+    if not costs:
+        raise ValueError("costs must list at least one layer")
+    return [check_float("costs", c, lo=0) for c in costs]
+
+
 def split_layers(n_layers: int, counts: Sequence[int]) -> list[tuple[int, int]]:
     """``[(start, end), ...]`` layer ranges of the stages with ``counts[s]`` layers each."""
+    n_layers = check_int("n_layers", n_layers, lo=1)
+    if isinstance(counts, (str, bytes)) or not isinstance(counts, Sequence):
+        raise TypeError(f"counts must be a list of ints, got {counts!r}")
     counts = [check_int("counts", c, lo=1) for c in counts]
     if sum(counts) != n_layers:
-        raise ValueError(f"counts {counts} must add up to the {n_layers} layers")
+        raise ValueError(f"counts {counts} must add up to n_layers={n_layers}")
     ends = [sum(counts[:i + 1]) for i in range(len(counts))]
     return [(e - c, e) for e, c in zip(ends, counts, strict=True)]
 
@@ -45,6 +56,11 @@ def partition_equal(n_layers: int, stages: int) -> list[int]:
 
 def stage_costs(costs: Sequence[float], counts: Sequence[int]) -> list[float]:
     """The summed cost of each stage's layers."""
+    costs = _costs(costs)
+    if isinstance(counts, Sequence) and not isinstance(counts, (str, bytes)) and all(
+            isinstance(c, int) for c in counts) and sum(counts) != len(costs):
+        raise ValueError(f"costs has {len(costs)} layers but counts {list(counts)} add up to "
+                         f"{sum(counts)}")
     return [sum(costs[a:b]) for a, b in split_layers(len(costs), counts)]
 
 
@@ -53,7 +69,7 @@ def partition_balanced(costs: Sequence[float], stages: int) -> list[int]:
     whose largest stage cost is smallest (the slowest stage sets a pipeline's pace).
     Dynamic programming: ``best[k][i]`` = the smallest max-stage cost of the first ``i``
     layers in ``k`` stages ``= min_j max(best[k-1][j], sum(costs[j:i]))``; O(P n^2)."""
-    costs = [check_float("costs", c, lo=0) for c in costs]
+    costs = _costs(costs)
     n = len(costs)
     stages = check_int("stages", stages, lo=1, hi=max(n, 1))
     prefix = [0.0]

@@ -26,6 +26,7 @@ from torch import nn
 from parlearn.core.checks import (
     check_bool,
     check_choice,
+    check_float,
     check_int,
     check_module,
     check_tensor,
@@ -102,6 +103,9 @@ def reference_grads(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor
     check_module("model", model)
     check_tensor("x", x, ndim=2)
     check_tensor("y", y, ndim=2)
+    if len(x) != len(y):
+        raise ValueError(f"x and y must have the same rows, got {len(x)} and {len(y)}")
+    _probe(model, x, y)   # x fits the first layer and the output y's shape, or it names which
     params = _trainable([model])
     return [g.detach() for g in torch.autograd.grad(_loss(model(x), y, len(x)), params)]
 
@@ -282,8 +286,14 @@ class PipelineRun:
 def measured_bubble(events: Sequence[tuple[str, str, float, float]]) -> float:
     """Idle fraction of a timeline: ``1 - sum(op durations) / (lanes * (last end - first
     start))``."""
-    if not events:
-        raise ValueError("events is empty")
+    if isinstance(events, (str, bytes)) or not isinstance(events, Sequence) or not events:
+        raise ValueError(f"events must be a non-empty list of (lane, label, t0, t1), got "
+                         f"{events!r}")
+    for e in events:
+        if not isinstance(e, (list, tuple)) or len(e) != 4:
+            raise ValueError(f"events must hold (lane, label, t0, t1) entries, got {e!r}")
+        if check_float("events t1", e[3]) < check_float("events t0", e[2]):
+            raise ValueError(f"events entry {e!r} ends before it starts")
     lanes = {e[0] for e in events}
     span = max(e[3] for e in events) - min(e[2] for e in events)
     busy = sum(e[3] - e[2] for e in events)

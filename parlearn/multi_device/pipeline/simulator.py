@@ -44,8 +44,10 @@ class Simulation:
 
 
 def _per_stage(name: str, value, stages: int) -> list[float]:
-    if isinstance(value, (int, float)):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = [value] * stages
+    elif isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a number or one number per stage, got {value!r}")
     value = [check_float(name, v, lo=0) for v in value]
     if len(value) != stages:
         raise ValueError(f"{name} must have one cost per stage ({stages}), got {len(value)}")
@@ -88,9 +90,15 @@ def simulate(orders: Sequence[Sequence[Op]], cost_f: float | Sequence[float] = 1
     time of an overlapped F&B group (the schedule's ``overlap``: a forward and a whole
     backward, its ``W`` included when it follows at once, as DeepSeek count it; default:
     not overlapped, one op after the other). Raises ValueError if the orders deadlock."""
+    if isinstance(orders, (str, bytes)) or not isinstance(orders, Sequence):
+        raise TypeError(f"orders must be a list of op lists (one per rank), got {orders!r}")
     stages = len(orders)
     if stages < 1:
         raise ValueError("orders must list at least one stage")
+    for r, ops in enumerate(orders):
+        if isinstance(ops, (str, bytes)) or not isinstance(ops, Sequence) or not all(
+                isinstance(op, Op) and op.kind in ("F", "B", "W") for op in ops):
+            raise TypeError(f"orders[{r}] must be a list of Op (kind F, B or W), got {ops!r}")
     chunks = orders.chunks if isinstance(orders, Schedule) else 1
     cf, cb, cw = ([c / chunks for c in _per_stage(n, v, stages)] for n, v in
                   (("cost_f", cost_f), ("cost_b", cost_b), ("cost_w", cost_w)))

@@ -33,6 +33,7 @@ from parlearn.multi_device.pipeline.runtime import (
     measured_bubble,
 )
 from parlearn.multi_device.pipeline.schedules import Schedule
+from parlearn.multi_device.pipeline.zoo import validate
 
 __all__ = ["run_schedule", "chunk_layers"]
 
@@ -183,6 +184,12 @@ def run_schedule(scheds: Schedule | Sequence[Schedule], model: nn.Sequential,
         raise ValueError("scheds must all have the same number of stages (ranks)")
     specs = _check_pipeline_args(model, x, y, world, None)[2]
     for s in scheds:
+        # A user's schedule that misses or repeats an op would run to completion with wrong
+        # gradients (or hang): validate it first, naming the fault.
+        try:
+            validate(s)
+        except ValueError as e:
+            raise ValueError(f"scheds: schedule {s.kind!r} is not valid: {e}") from None
         _check_ties(model, chunk_layers(len(model), s))
         if s.micro_batches > len(x):
             raise ValueError(f"micro_batches={s.micro_batches} is more than the {len(x)} rows")

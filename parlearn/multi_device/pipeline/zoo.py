@@ -43,7 +43,7 @@ written here from its description. :func:`paper_bubble` gives each paper's bubbl
 
 from __future__ import annotations
 
-from parlearn.core.checks import check_choice, check_int
+from parlearn.core.checks import check_choice, check_float, check_int
 from parlearn.multi_device.pipeline.schedules import Op, Schedule, schedule
 
 __all__ = ["ZOO", "zoo_schedule", "validate", "paper_bubble", "in_flight_formula",
@@ -261,7 +261,9 @@ def dualpipe_v_bubble(stages: int, t_f: float = 1.0, t_b: float = 1.0, t_w: floa
     simulator of :func:`dualpipe_v` gives exactly this at ``t_f = t_b = t_w`` (tested), not
     at unequal costs."""
     p = check_int("stages", stages, lo=1)
-    t_fb = t_f + t_b + t_w if t_fb is None else t_fb
+    t_f, t_b, t_w = (check_float(n, t, lo=0) for n, t in (("t_f", t_f), ("t_b", t_b),
+                                                           ("t_w", t_w)))
+    t_fb = t_f + t_b + t_w if t_fb is None else check_float("t_fb", t_fb, lo=0)
     return (p - 1) * (t_fb + t_b - 2 * t_w) / 2
 
 
@@ -301,6 +303,22 @@ def validate(sched: Schedule) -> list[int]:
     ValueError naming the first fault."""
     from parlearn.multi_device.pipeline.simulator import simulate
 
+    if not isinstance(sched, Schedule):
+        raise TypeError(f"sched must be a Schedule, got {type(sched).__name__}")
+    check_int("sched.stages", sched.stages, lo=1)
+    check_int("sched.micro_batches", sched.micro_batches, lo=1)
+    if len(sched) != sched.stages:
+        raise ValueError(f"sched must hold one op list per rank: {sched.stages} stages, got "
+                         f"{len(sched)} lists")
+    for r, ops in enumerate(sched):
+        for op in ops:
+            # An op of no chunk or kind the counts below look at would be silently ignored.
+            if (not isinstance(op, Op) or op.kind not in ("F", "B", "W")
+                    or isinstance(op.mb, bool) or not isinstance(op.mb, int)
+                    or isinstance(op.chunk, bool) or not isinstance(op.chunk, int)
+                    or not 0 <= op.chunk < sched.chunks):
+                raise ValueError(f"sched: rank {r} holds {op!r}, not an Op(kind in F/B/W, "
+                                 f"mb, chunk in 0..{sched.chunks - 1})")
     kinds = "FBW" if sched.split else "FB"
     peaks = []
     for r, ops in enumerate(sched):
@@ -308,18 +326,21 @@ def validate(sched: Schedule) -> list[int]:
             for k in kinds:
                 got = sorted(op.mb for op in ops if op.kind == k and op.chunk == c)
                 if got != list(range(sched.micro_batches)):
-                    raise ValueError(f"rank {r} chunk {c}: {k} ops of micro-batches {got}, "
+                    raise ValueError(f"sched: rank {r} chunk {c}: {k} ops of micro-batches {got}, "
                                      f"want each of 0..{sched.micro_batches - 1} once")
         seen, level, top = set(), 0, 0
         for op in ops:
             need = {"F": None, "B": "F", "W": "B"}[op.kind]
             if need and (need, op.mb, op.chunk) not in seen:
-                raise ValueError(f"rank {r}: {op} before its {need}")
+                raise ValueError(f"sched: rank {r}: {op} before its {need}")
             seen.add((op.kind, op.mb, op.chunk))
             level += {"F": 1, kinds[-1]: -1}.get(op.kind, 0)
             top = max(top, level)
         peaks.append(top)
-    simulate(sched, 1, 1, 1) if sched.split else simulate(sched)   # raises on a deadlock
+    try:   # raises on a deadlock
+        simulate(sched, 1, 1, 1) if sched.split else simulate(sched)
+    except ValueError as e:
+        raise ValueError(f"sched: {e}") from None
     return peaks
 
 
@@ -333,11 +354,14 @@ def paper_bubble(kind: str, stages: int, v: int = 1, t_f: float = 1.0, t_b: floa
     equal costs and ``M >= 2P-1``; see :func:`_zb_v` for fewer micro-batches)."""
     check_choice("kind", kind, ZOO)
     p = check_int("stages", stages, lo=1)
+    v = check_int("v", v, lo=1)   # checked for every kind: a bad value is never ignored
+    t_f, t_b, t_w = (check_float(n, t, lo=0) for n, t in (("t_f", t_f), ("t_b", t_b),
+                                                           ("t_w", t_w)))
     full = (p - 1) * (t_f + t_b + t_w)
     if kind in ("gpipe", "1f1b"):
         return full
     if kind == "interleaved":
-        return full / check_int("v", v, lo=1)
+        return full / v
     if kind == "zb-h1":
         return (p - 1) * (t_f + t_b - t_w)
     if kind == "zb-h2":
@@ -354,6 +378,7 @@ def in_flight_formula(kind: str, stages: int, micro_batches: int, v: int = 2) ->
     the loss first, holds less than the others (rank ``r``: ``min(P, M, (M+1+r)/2)``)."""
     check_choice("kind", kind, ZOO)
     p, m = check_int("stages", stages, lo=1), check_int("micro_batches", micro_batches, lo=1)
+    v = check_int("v", v, lo=1)   # checked for every kind: a bad value is never ignored
     if kind == "gpipe":
         return float(m)
     if kind in ("1f1b", "zb-h1"):

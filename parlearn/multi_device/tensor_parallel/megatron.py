@@ -28,7 +28,8 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
 
-from parlearn.core.checks import check_int, check_module, check_seed
+from parlearn.core.checks import check_int, check_module, check_seed, check_tensor
+from parlearn.multi_device.tensor_parallel._agree import agree
 
 __all__ = ["CopyToRanks", "SumOverRanks", "ColumnParallelLinear", "RowParallelLinear",
            "ELEMENTWISE", "MegatronMLP", "serial_mlp", "megatron_worker", "megatron_check"]
@@ -37,6 +38,19 @@ __all__ = ["CopyToRanks", "SumOverRanks", "ColumnParallelLinear", "RowParallelLi
 # ---------------------------------------------------------------------------------------
 # Megatron: f and g, and the split layers (worker-side: need an initialised group).
 
+def _check_same(x, group) -> None:
+    """``x`` a tensor of one shape and dtype on every rank of ``group`` (the all-reduce sums
+    them elementwise: a mismatch would abort inside the backend), checked before the first
+    message on every rank."""
+    err = None
+    try:
+        check_tensor("x", x)
+    except TypeError as e:
+        err = e
+    agree({"x.shape": tuple(x.shape) if isinstance(x, torch.Tensor) else None,
+           "x.dtype": str(getattr(x, "dtype", None))}, err, group=group)
+
+
 class CopyToRanks(torch.autograd.Function):
     """Megatron's ``f``: identity forward; all-reduce (sum) of the gradient backward.
     ``CopyToRanks.apply(x, group)`` sums over ``group`` (default: the whole world), which
@@ -44,6 +58,7 @@ class CopyToRanks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group=None) -> torch.Tensor:
+        _check_same(x, group)   # the backward all-reduces a gradient of x's shape
         ctx.group = group
         return x.view_as(x)
 
@@ -60,6 +75,7 @@ class SumOverRanks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group=None) -> torch.Tensor:
+        _check_same(x, group)
         x = x.contiguous().clone()
         tdist.all_reduce(x, group=group)
         return x
