@@ -182,3 +182,15 @@ def test_a_model_without_parameters_runs_on_its_inputs_device():
     ledger, out = M.saved_tensors(torch.nn.Tanh(), x)
     assert ledger.by_kind()["activation"] == x.numel() * 4  # tanh keeps its output
     assert ledger.bytes("parameter") == 0 and out.shape == x.shape
+
+
+def test_recompute_cost_leaves_an_existing_grad_as_it_was():
+    """Regression: the ledger's backward added into the very .grad tensors it had saved."""
+    from zoo import kept_state
+
+    cfg = T.GPTConfig(vocab_size=11, d_model=16, n_heads=2, n_layers=1, max_seq=8)
+    model = T.GPT(cfg)
+    idx = torch.randint(0, 11, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(idx, idx)[1].backward()
+    with kept_state(model):
+        M.recompute_cost(model, idx, idx, repeat=1, threads=1)
