@@ -342,3 +342,25 @@ def test_frozen_and_tied_parameters_train_like_torch_adam(stage):
         assert out["unit_numel"] == n_trainable     # the tied weight is held (and Adam'd) once
         # What the rank holds: its units' buffers (or shards in stage 3) plus the frozen ones.
         assert out["held_params"] == 8 * (out["unit_param_numel"] + n_frozen)
+
+
+def test_every_stage_argument_refuses_a_bool():
+    """True == 1 in Python: ``zero=True`` once ran ZeRO-1. Every stage argument refuses bools
+    (and floats standing for ints) before any work, ShardedAdam before it looks for ranks."""
+    from parlearn.multi_device.mesh.planner import Plan
+
+    calls = {
+        "memory_model": lambda v: S.memory_model(10, 2, v),
+        "comm_model": lambda v: S.comm_model(10, 2, v),
+        "gpus_needed": lambda v: S.gpus_needed(10, 1e3, v),
+        "train_sharded": lambda v: S.train_sharded(SPEC, v),
+        "ShardedAdam": lambda v: S.ShardedAdam(torch.nn.Linear(2, 2), stage=v),
+    }
+    for name, call in calls.items():
+        for value in (True, False, 1.0):
+            with pytest.raises(ValueError, match="stage") as info:
+                call(value)
+            assert repr(value) in str(info.value), name
+    for value in (True, False, 1.0):
+        with pytest.raises(ValueError, match="zero"):
+            Plan(zero=value)
