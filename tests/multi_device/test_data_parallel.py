@@ -444,3 +444,119 @@ def test_models_leave_the_global_rng_alone():
     assert torch.equal(state, torch.random.get_rng_state())
     a, b = D.mlp([4, 6, 3], seed=2), D.mlp([4, 6, 3], seed=2)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+# ------------------------------------------------------------------ the users' model zoo
+
+ZOO_STEPS, ZOO_BATCH, ZOO_LR = 2, 14, 0.1  # 7 rows a rank: a prime shard
+
+
+def _zoo_data(dtype):
+    from zoo import batch
+
+    pairs = [batch(ZOO_BATCH, dtype, seed=10 + t) for t in range(ZOO_STEPS)]
+    return [x for x, _ in pairs], [y for _, y in pairs]
+
+
+def _worker_zoo_dp(rank, world):
+    """Every zoo model and dtype under each from-scratch wrapper, in one launch: the
+    parameters after each step (or the refusal's message), the frozen ones' .grad."""
+    from zoo import ZOO, build, cases
+
+    out = {}
+    for name, dtype in cases():
+        xs, ys = _zoo_data(dtype)
+        for kind, wrap in (("naive", D.NaiveDP), ("bucketed",
+                                                  functools.partial(D.BucketedDP,
+                                                                    bucket_bytes=256)),
+                           ("compressed", D.CompressedDP)):
+            model = build(name, dtype)
+            try:
+                wrapped = wrap(model, record=False)
+            except ValueError as e:
+                out[kind, name, dtype] = str(e)
+                continue
+            params = [p for p in model.parameters() if p.requires_grad]
+            opt = (torch.optim.SGD(params, lr=ZOO_LR) if kind == "compressed"
+                   else torch.optim.SGD(params, lr=ZOO_LR, momentum=0.9))
+            snaps = []
+            for x, y in zip(xs, ys, strict=True):
+                opt.zero_grad(set_to_none=True)
+                torch.nn.functional.cross_entropy(wrapped(D.shard(x, rank, world)),
+                                                  D.shard(y, rank, world)).backward()
+                opt.step()
+                snaps.append({n: p.detach().clone() for n, p in model.named_parameters()})
+            wrapped.remove_hooks()
+            out[kind, name, dtype] = {"snaps": snaps, "frozen_grads": [
+                p.grad for p in model.parameters() if not p.requires_grad]}
+    # Ranks bringing different models: a ValueError on every rank, before any broadcast.
+    try:
+        D.NaiveDP(build("relu" if rank == 0 else "tied"))
+    except ValueError as e:
+        out["mismatch"] = str(e)
+    assert set(ZOO) >= {n for _, n, _ in [k for k in out if k != "mismatch"]}
+    return out
+
+
+def _compressed_reference(model, xs, ys):
+    """SGD on the reference 8-bit all-reduce of the two ranks' flattened gradients."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=ZOO_LR)
+    snaps = []
+    for x, y in zip(xs, ys, strict=True):
+        flats = []
+        for r in range(2):
+            loss = torch.nn.functional.cross_entropy(model(D.shard(x, r, 2)), D.shard(y, r, 2))
+            flats.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]))
+        avg, offset = C.compressed_all_reduce_reference(flats), 0
+        for p in params:
+            p.grad = avg[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        opt.step()
+        snaps.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return snaps
+
+
+def test_dp_wrappers_on_the_zoo_equal_one_process_or_refuse_up_front():
+    """NaiveDP and BucketedDP on every zoo model (frozen, tied, bias-free, LayerNorm, conv,
+    other activations; float32/64; 7-row shards) equal single-process SGD with momentum;
+    CompressedDP equals SGD on its reference 8-bit all-reduce, bit for bit; frozen
+    parameters never move nor get a .grad; BatchNorm is refused naming it; ranks with
+    different models get a ValueError each, not a hang."""
+    from zoo import FEATURES, assert_frozen_unmoved, build, cases, frozen
+
+    from parlearn.core.device import threads
+
+    res = dist.run(_worker_zoo_dp, 2, timeout=TIMEOUT * 3)
+    for r in range(2):
+        assert "differs between ranks" in res[r]["mismatch"]
+    for name, dtype in cases():
+        xs, ys = _zoo_data(dtype)
+        atol = 1e-12 if dtype == torch.float64 else 2e-6
+        for kind in ("naive", "bucketed", "compressed"):
+            got = [res[r][kind, name, dtype] for r in range(2)]
+            if "batchnorm" in FEATURES[name]:
+                assert all("BatchNorm1d" in g and "module" in g for g in got), got
+                continue
+            model = build(name, dtype)
+            still = frozen(model)
+            start = {n: p.detach().clone() for n, p in model.named_parameters()}
+            if kind == "compressed":
+                # One thread, as each rank runs: a float32 conv's gradient sums in an order
+                # that depends on the thread count, and 8-bit codes can flip on its last bit.
+                with threads(1):
+                    ref = _compressed_reference(model, xs, ys)
+            else:
+                ref = D.train_reference(model, xs, ys, lr=ZOO_LR, optimizer="sgd")
+            assert_frozen_unmoved(model, still)
+            for n, v in ref[-1].items():  # not vacuous: every trainable parameter moved
+                assert (n in still) == torch.equal(v, start[n]), (kind, name, n)
+            for g in got:
+                assert all(fg is None for fg in g["frozen_grads"]), (kind, name)
+                for t, snap in enumerate(ref):
+                    for n, v in snap.items():
+                        if kind == "compressed":
+                            assert torch.equal(g["snaps"][t][n], v), (kind, name, dtype, t, n)
+                        else:
+                            torch.testing.assert_close(g["snaps"][t][n], v, rtol=0, atol=atol,
+                                                       msg=f"{kind} {name} {dtype} {t} {n}")

@@ -182,3 +182,56 @@ def test_a_model_without_parameters_runs_on_its_inputs_device():
     ledger, out = M.saved_tensors(torch.nn.Tanh(), x)
     assert ledger.by_kind()["activation"] == x.numel() * 4  # tanh keeps its output
     assert ledger.bytes("parameter") == 0 and out.shape == x.shape
+
+
+def test_recompute_cost_leaves_an_existing_grad_as_it_was():
+    """Regression: the ledger's backward added into the very .grad tensors it had saved."""
+    from zoo import kept_state
+
+    cfg = T.GPTConfig(vocab_size=11, d_model=16, n_heads=2, n_layers=1, max_seq=8)
+    model = T.GPT(cfg)
+    idx = torch.randint(0, 11, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(idx, idx)[1].backward()
+    with kept_state(model):
+        M.recompute_cost(model, idx, idx, repeat=1, threads=1)
+
+
+def test_bf16_copies_of_conv_weights_are_weight_copies_not_activations():
+    """Regression: only 2-D weights were recognised, so autocast's bf16 copy of a conv's
+    4-D weight was counted as an activation."""
+    from zoo import batch, build
+
+    net = build("conv", torch.float32)
+    x, _ = batch(7, torch.float32)
+    x.requires_grad_(True)
+    ledger, out = M.saved_tensors(net, x, autocast=torch.bfloat16)
+    conv, lin = net[1].weight, net[4].weight
+    by_shape = ledger.by_shape("weight copy")
+    assert by_shape == {(tuple(conv.shape), torch.bfloat16): conv.numel() * 2,
+                        (tuple(lin.t().shape), torch.bfloat16): lin.numel() * 2}
+    assert (tuple(conv.shape), torch.bfloat16) not in ledger.by_shape("activation")
+    out.float().sum().backward()
+
+
+def test_recomputing_gpt_stashes_no_rng_state_the_ledger_cannot_see(monkeypatch):
+    """Regression: torch.utils.checkpoint's default stashes torch.get_rng_state() (5,056 B
+    on the CPU) per call, outside the saved-tensor hooks: full recompute held ~2.6x the
+    ledger's bytes. The GPT has nothing random to replay and stashes nothing."""
+    stashed = []
+    real = torch.get_rng_state
+
+    def counting():
+        state = real()
+        stashed.append(state.numel() * state.element_size())
+        return state
+
+    cfg = T.GPTConfig(vocab_size=11, d_model=16, n_heads=2, n_layers=2, max_seq=8)
+    model = T.GPT(cfg)
+    idx = torch.randint(0, 11, (2, 8), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(torch, "get_rng_state", counting)
+    for mode in ("selective", "full"):
+        ledger, loss = M.saved_tensors(model, idx, idx, recompute=mode)
+        loss.backward()
+        assert stashed == [], f"recompute={mode!r} stashed {sum(stashed)} B of RNG state"
+        assert ledger.bytes("activation") == M.activation_bytes(cfg, 2, 8, precision="fp32",
+                                                                recompute=mode)

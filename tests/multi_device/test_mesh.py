@@ -216,3 +216,42 @@ def test_grading_report_is_complete():
     assert rep["memory_error"] == 0.0  # the tiny GPT's memory count is exact
     for row in rep["rows"]:
         assert row["measured_s"] > 0 and math.isfinite(row["predicted_s"])
+
+
+def test_planner_prices_a_ring_or_chain_that_spans_nodes_on_the_inter_node_link():
+    """Regression: a CP ring (or PP chain) over 2 nodes was priced on the intra-node link,
+    because one hop's two ranks sit side by side; the hops that cross nodes set the pace."""
+    from parlearn.multi_device.mesh.planner import Cluster, LlamaWorkload, Plan, predict
+
+    node, inter = _fake_card(alpha=1e-6, beta=1e-11), _fake_card(alpha=1e-3, beta=1e-8)
+    cluster = Cluster(node, gpus_per_node=8, inter=inter)
+    work = LlamaWorkload("llama3-8b", batch=16, seq=4096)
+    layers, act = work.layers, 4096 * work.hidden * work.elem
+    cp = predict(work, Plan(dp=1, cp=16), cluster)
+    hop = inter.comm_time("p2p", work.kv_bytes(Plan(dp=1, cp=16)), 2)
+    assert cp.time["cp"] == pytest.approx(3 * 15 * hop * 16 * layers)
+    pp = predict(work, Plan(dp=4, pp=4), cluster)  # stages 4 ranks apart: a chain over 2 nodes
+    assert pp.time["pp"] == pytest.approx(2 * 4 * inter.comm_time("p2p", act, 2))
+    # Inside one node the same hops take the node's link; with no pipeline, no PP hop at all.
+    one = Cluster(node, gpus_per_node=16, inter=inter)
+    assert predict(work, Plan(dp=1, cp=16), one).time["cp"] == pytest.approx(
+        3 * 15 * node.comm_time("p2p", work.kv_bytes(Plan(dp=1, cp=16)), 2) * 16 * layers)
+    assert predict(work, Plan(dp=16), cluster).time["pp"] == 0.0
+
+
+def test_planner_refuses_bad_clusters_and_workloads_naming_the_argument():
+    """Regression: Cluster(share=-1) gave a negative step time; a TinyGPT longer than its
+    max_seq was ranked."""
+    from parlearn.multi_device.mesh.planner import Cluster, Plan, TinyGPT, predict, rank_plans
+
+    for share in (-1.0, 0.0, 1.5, True):
+        with pytest.raises((ValueError, TypeError), match="share"):
+            Cluster(_fake_card(), share=share)
+    with pytest.raises(ValueError, match="seq"):
+        TinyGPT(CFG, 8, CFG.max_seq + 1)
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        predict(TinyGPT(CFG, 8, 16), Plan(dp=8), Cluster(_fake_card(), gpus_per_node=4))
+    with pytest.raises(TypeError, match="cluster"):
+        rank_plans(TinyGPT(CFG, 8, 16), "a cluster", 4)
+    with pytest.raises((ValueError, TypeError), match="zero"):
+        rank_plans(TinyGPT(CFG, 8, 16), Cluster(_fake_card()), 4, zero=(True,))

@@ -342,3 +342,103 @@ def test_frozen_and_tied_parameters_train_like_torch_adam(stage):
         assert out["unit_numel"] == n_trainable     # the tied weight is held (and Adam'd) once
         # What the rank holds: its units' buffers (or shards in stage 3) plus the frozen ones.
         assert out["held_params"] == 8 * (out["unit_param_numel"] + n_frozen)
+
+
+def test_every_stage_argument_refuses_a_bool():
+    """True == 1 in Python: ``zero=True`` once ran ZeRO-1. Every stage argument refuses bools
+    (and floats standing for ints) before any work, ShardedAdam before it looks for ranks."""
+    from parlearn.multi_device.mesh.planner import Plan
+
+    calls = {
+        "memory_model": lambda v: S.memory_model(10, 2, v),
+        "comm_model": lambda v: S.comm_model(10, 2, v),
+        "gpus_needed": lambda v: S.gpus_needed(10, 1e3, v),
+        "train_sharded": lambda v: S.train_sharded(SPEC, v),
+        "ShardedAdam": lambda v: S.ShardedAdam(torch.nn.Linear(2, 2), stage=v),
+    }
+    for name, call in calls.items():
+        for value in (True, False, 1.0):
+            with pytest.raises(ValueError, match="stage") as info:
+                call(value)
+            assert repr(value) in str(info.value), name
+    for value in (True, False, 1.0):
+        with pytest.raises(ValueError, match="zero"):
+            Plan(zero=value)
+
+
+# --- the users' model zoo ---------------------------------------------------------------------
+
+def _zoo_steps(dtype):
+    from zoo import batch
+
+    return [batch(14, dtype, seed=20 + t) for t in range(2)]  # 7 rows a rank: a prime shard
+
+
+def _worker_zoo_zero(rank: int, world_size: int) -> dict:
+    """Every zoo model and dtype under every stage, in one launch: the parameters after
+    each step (or the refusal's message) and the frozen parameters' .grad."""
+    from zoo import build, cases
+
+    out = {}
+    for stage in S.STAGES:
+        for name, dtype in cases():
+            model = build(name, dtype)
+            try:
+                opt = S.ShardedAdam(model, stage=stage, lr=0.05)
+            except ValueError as e:
+                out[stage, name, dtype] = str(e)
+                continue
+            params = []
+            for x, y in _zoo_steps(dtype):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x[7 * rank:7 * (rank + 1)]),
+                                                  y[7 * rank:7 * (rank + 1)]).backward()
+                opt.step()
+                params.append(opt.full_parameters())
+            opt.remove_hooks()
+            out[stage, name, dtype] = {"params": params, "frozen_grads": [
+                p.grad for p in model.parameters() if not p.requires_grad]}
+    try:
+        S.ShardedAdam(build("relu" if rank == 0 else "tied"), stage=1)
+    except ValueError as e:
+        out["mismatch"] = str(e)
+    return out
+
+
+def test_sharded_adam_on_the_zoo_equals_torch_adam_or_refuses_up_front():
+    """Every stage on every zoo model (frozen, tied, bias-free, LayerNorm with and without
+    affine, conv, other activations; float32/64) equals torch's Adam on the whole batch;
+    frozen parameters never move and get no .grad; BatchNorm is refused naming it (each
+    rank's statistics are of its shard); different models on the ranks: ValueError on each."""
+    from zoo import FEATURES, build, cases, frozen
+
+    from parlearn import distributed as dist
+
+    ranks = dist.run(_worker_zoo_zero, 2, backend="gloo", timeout=180)
+    for out in ranks:
+        assert "differs between ranks" in out["mismatch"]
+    for name, dtype in cases():
+        model = build(name, dtype)
+        still = frozen(model)
+        opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.05,
+                               foreach=False)
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        want = []
+        for x, y in _zoo_steps(dtype):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            want.append(torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone())
+        for n, p in model.named_parameters():  # frozen stay, every other tensor moves
+            assert (n in still) == torch.equal(p.detach(), start[n]), (name, n)
+        atol = 1e-12 if dtype == torch.float64 else 1e-5
+        for stage in S.STAGES:
+            for out in ranks:
+                got = out[stage, name, dtype]
+                if "batchnorm" in FEATURES[name]:
+                    assert isinstance(got, str) and "BatchNorm1d" in got, got
+                    continue
+                assert all(g is None for g in got["frozen_grads"]), (stage, name)
+                for t, w in enumerate(want):
+                    torch.testing.assert_close(got["params"][t], w, rtol=0, atol=atol,
+                                               msg=f"stage {stage} {name} {dtype} step {t}")

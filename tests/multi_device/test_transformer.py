@@ -141,3 +141,17 @@ def test_bad_inputs_are_refused():
         model(_tokens(1, 3), _tokens(1, 4))
     with pytest.raises(ValueError, match="vocab_size"):
         T.train(_cfg(), steps=1, progress=False)
+
+
+def test_measured_flops_leaves_an_existing_grad_as_it_was():
+    """Regression: the saved .grad tensors were the same objects backward then added into,
+    so a second call doubled the user's gradients."""
+    from zoo import kept_state
+
+    cfg = T.GPTConfig(vocab_size=11, d_model=16, n_heads=2, n_layers=1, max_seq=8)
+    model = T.GPT(cfg)
+    idx = torch.randint(0, 11, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(idx, idx)[1].backward()  # the user's own gradients, mid-accumulation
+    with kept_state(model):
+        T.measured_flops(model, idx, idx)
+        T.measured_flops(model, idx, idx, backward=False)

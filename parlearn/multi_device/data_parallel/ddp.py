@@ -14,6 +14,10 @@ one process on the whole batch. Three ways to average, each wrapping an ordinary
   earlier layers: the overlap of Li et al., "PyTorch Distributed" (VLDB 2020).
 - :func:`make_ddp`: torch's ``DistributedDataParallel``, the engine a user deploys.
 
+The from-scratch wrappers refuse a model with BatchNorm (statistics of each rank's shard
+are not the whole batch's, so the result would not equal one process) and check, in one
+``all_gather_object`` before any other message, that every rank wraps the same model
+(names, shapes, dtypes): a disagreement is a ``ValueError`` on every rank, not a hang.
 All three keep a ``no_sync()`` context for gradient accumulation (no communication;
 the next synchronised backward averages the accumulated sum). Every trainable parameter
 must receive a gradient in each synchronised backward, as with DDP's default
@@ -41,6 +45,35 @@ __all__ = ["NaiveDP", "BucketedDP", "CompressedDP", "make_ddp", "TiedMLP", "trai
            "shard", "DPStepModel", "dp_step_model", "worker_train"]
 
 
+def refuse_batch_statistics(module: nn.Module, who: str) -> None:
+    """Raise ``ValueError`` naming the first BatchNorm in ``module``: its statistics are of
+    each rank's shard (and its running buffers drift apart), so data parallelism over it
+    would not equal one process on the whole batch."""
+    for name, m in module.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            raise ValueError(
+                f"module has {type(m).__name__} at {name!r}: {who} averages gradients, but "
+                "batch statistics computed on each rank's shard differ from the whole "
+                "batch's (and running buffers drift apart), so it would not train as one "
+                "process; use LayerNorm/GroupNorm, or torch's DDP with SyncBatchNorm")
+
+
+def check_same_on_every_rank(module: nn.Module, group, who: str) -> None:
+    """One ``all_gather_object`` of the parameters' and buffers' names, shapes, dtypes and
+    ``requires_grad``: a model that differs between ranks is a ``ValueError`` on every rank
+    before any other message (not a hang or a garbled broadcast)."""
+    sig = [(n, tuple(t.shape), str(t.dtype), bool(t.requires_grad))
+           for n, t in [*module.named_parameters(), *module.named_buffers()]]
+    everyone: list = [None] * tdist.get_world_size(group)
+    tdist.all_gather_object(everyone, sig, group=group)
+    for r, other in enumerate(everyone):
+        if other != sig:
+            diff = next((f"{a} vs {b}" for a, b in zip(sig, other, strict=False) if a != b),
+                        f"{len(sig)} vs {len(other)} tensors")
+            raise ValueError(f"module differs between ranks (this rank vs rank {r}: {diff}); "
+                             f"{who} needs the same model on every rank")
+
+
 class _DataParallel(nn.Module):
     """What the from-scratch wrappers share: replica sync at start, hooks, event log."""
 
@@ -52,6 +85,8 @@ class _DataParallel(nn.Module):
         if not tdist.is_initialized():
             raise RuntimeError("data parallel wrappers need an initialised process group "
                                "(run the worker with parlearn.distributed.run or torchrun)")
+        refuse_batch_statistics(module, type(self).__name__)
+        check_same_on_every_rank(module, group, type(self).__name__)
         self.module = module
         self.group = group
         self.world_size = tdist.get_world_size(group)

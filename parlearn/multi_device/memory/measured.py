@@ -3,15 +3,27 @@
 :func:`saved_tensors` runs one forward under ``torch.autograd.graph.saved_tensors_hooks``
 and records every tensor autograd keeps for backward. A tensor can be saved by several ops
 (the input of the q, k and v projections) and a view keeps its whole storage alive, so the
-ledger counts each *storage* once, at its full size: the bytes that really stay allocated
-between forward and backward, on any device, exactly. Each storage is sorted into
+ledger counts each *storage* once, at its full size. Each storage is sorted into
 
 - ``parameter``: a model parameter (it exists whether or not a step runs);
 - ``buffer``: a model buffer (causal mask, RoPE tables);
 - ``input``: the step's own token ids and targets;
-- ``weight copy``: a lower-precision copy of a parameter made by autocast (bf16 weights),
-  recognised by shape and dtype;
+- ``weight copy``: a lower-precision copy of a parameter made by autocast (bf16 weights of
+  any rank: a linear's, or its transpose, a conv's 4-D one), recognised by shape, dtype
+  and value;
 - ``activation``: everything else: what the activation model must account for.
+
+What the ledger counts is every storage that passes through autograd's saved-tensor hooks,
+byte for byte. It does NOT count what is held beside them:
+
+- the RNG state ``torch.utils.checkpoint`` stashes per call when ``preserve_rng_state=True``
+  (its default): the CPU generator's state (``torch.get_rng_state()``, 5,056 bytes) and,
+  once CUDA is initialised, each device's generator state. :class:`parlearn.transformer.GPT`
+  draws no random numbers in forward and checkpoints with ``preserve_rng_state=False``, so
+  it stashes none and its ledger is everything its forward keeps for backward (tested);
+  a user's model that checkpoints with the default holds these bytes on top;
+- the autograd graph's own nodes and Python objects (checkpoint's per-tensor metadata);
+- the allocator's rounding and caching (see :func:`peak_memory` for the allocator's view).
 
 :func:`peak_memory` measures the allocator's peak of a whole step on CUDA
 (``torch.cuda.max_memory_allocated``); there is no such counter on CPU, where it returns
@@ -127,11 +139,10 @@ def saved_tensors(model: nn.Module, *inputs: torch.Tensor, autocast: torch.dtype
 
 
 def _is_weight_copy(t: torch.Tensor, model: nn.Module) -> bool:
-    """True when ``t`` is a parameter (or its transpose) rounded to ``t``'s dtype."""
-    if t.ndim != 2:
-        return False
+    """True when ``t`` is a parameter of any rank (a linear's 2-D weight, a conv's 4-D one),
+    or a 2-D one's transpose, rounded to ``t``'s dtype."""
     for p in model.parameters():
-        for w in (p, p.t()) if p.ndim == 2 else ():
+        for w in (p, p.t()) if p.ndim == 2 else (p,):
             if w.shape == t.shape and torch.equal(w.detach().to(t.dtype), t.detach()):
                 return True
     return False

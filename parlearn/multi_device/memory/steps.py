@@ -45,11 +45,18 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
 
 def recompute_cost(model: GPT, idx: torch.Tensor, targets: torch.Tensor, *, repeat: int = 5,
                    autocast: torch.dtype | None = None, threads: int | None = None) -> dict:
-    """Per ``recompute`` mode: saved activation bytes (exact) and the measured step time
-    (forward + backward, interleaved over modes). Returns ``{"activation_bytes": {mode:
-    bytes}, "timing": Comparison}``; ``model``'s ``.grad`` is left as it was."""
+    """Per ``recompute`` mode: saved activation bytes (the :class:`SavedLedger`'s count,
+    everything the GPT keeps for backward: see :mod:`parlearn.memory.measured`) and the
+    measured step time (forward + backward, interleaved over modes). Returns
+    ``{"activation_bytes": {mode: bytes}, "timing": Comparison}``; ``model``'s ``.grad`` is
+    left as it was."""
     repeat = check_int("repeat", repeat, lo=1)
-    saved = [p.grad for p in model.parameters()]
+    params = list(model.parameters())
+    # Set the user's .grad aside (not merely remember it): backward adds into an existing
+    # .grad in place, so the remembered tensor itself would change.
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
     try:
         nbytes = {}
         for mode in RECOMPUTE:
@@ -70,7 +77,7 @@ def recompute_cost(model: GPT, idx: torch.Tensor, targets: torch.Tensor, *, repe
         timing = compare({m: step(m) for m in RECOMPUTE}, repeat=repeat, device=idx.device,
                          threads=threads)
     finally:
-        for p, g in zip(model.parameters(), saved, strict=True):
+        for p, g in zip(params, saved, strict=True):
             p.grad = g
     return {"activation_bytes": nbytes, "timing": timing}
 

@@ -172,7 +172,8 @@ class StageGPT(nn.Module):
                 x = x + self.pos(torch.arange(start, start + idx.shape[1]))
         for blk in self.blocks.values():
             if self.recompute == "full":
-                x = checkpoint(self._block, blk, x, use_reentrant=False)
+                # No randomness in a block: no RNG state to stash (memory no ledger sees).
+                x = checkpoint(self._block, blk, x, use_reentrant=False, preserve_rng_state=False)
             else:
                 x = self._block(blk, x)
         if not self.last:

@@ -25,7 +25,9 @@ nodes). Every term is a formula, labelled modeled:
 
 communication is not overlapped with compute (the model is pessimistic where a real
 framework overlaps DP's reduce-scatter with backward), and a group uses the inter-node
-links as soon as it spans nodes (ranks are numbered tp fastest, then cp, dp, pp). Memory
+links as soon as it spans nodes, and so does every hop of a CP ring or a PP chain whose
+members span nodes, its slowest hop setting the pace (ranks are numbered tp fastest, then
+cp, dp, pp). Memory
 comes from :func:`parlearn.memory.estimate` (Llama shapes) or from the exact count of what
 :mod:`parlearn.mesh.composed` keeps (the tiny GPT, :class:`TinyGPT`).
 """
@@ -36,7 +38,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from parlearn.core.checks import check_choice, check_int
+from parlearn.core.checks import check_bool, check_choice, check_float, check_int
 from parlearn.multi_device.memory.calculator import PRESETS, LlamaShape, estimate
 from parlearn.multi_device.pipeline.schedules import bubble_formula
 from parlearn.multi_device.transformer.model import GPTConfig, count_params
@@ -87,19 +89,37 @@ class Plan:
 @dataclass(frozen=True)
 class Cluster:
     """``card`` describes one node (its devices, FLOP/s, memory and intra-node links);
-    ``inter`` the links between nodes (None: one node); ``gpus_per_node`` how many
-    devices share the node's links."""
+    ``inter`` the links between nodes (None: one node, and a plan on more than
+    ``gpus_per_node`` GPUs is refused); ``gpus_per_node`` how many devices share the node's
+    links; ``share`` the compute each rank gets, as a fraction in (0, 1] of one device (CPU
+    ranks outnumbering the cores)."""
 
     card: object
     gpus_per_node: int = 8
     inter: object | None = None
-    share: float = 1.0  # compute per rank, as a fraction of one device (CPU ranks > cores)
+    share: float = 1.0
 
-    def link(self, kind: str, nbytes: float, group: int, span: int) -> float:
-        """Seconds of one collective over ``group`` ranks whose ranks lie ``span`` apart."""
+    def __post_init__(self) -> None:
+        for attr in ("comm_time", "compute_time", "flops", "memory"):
+            if not hasattr(self.card, attr):
+                raise TypeError(f"card must be a parlearn.card.Card (with {attr}), got "
+                                f"{type(self.card).__name__}")
+        if self.inter is not None and not hasattr(self.inter, "comm_time"):
+            raise TypeError(f"inter must be a parlearn.card.Card or None, got "
+                            f"{type(self.inter).__name__}")
+        check_int("gpus_per_node", self.gpus_per_node, lo=1)
+        check_float("share", self.share, lo=0, hi=1, lo_open=True)
+
+    def link(self, kind: str, nbytes: float, group: int, span: int, *,
+             extent: int | None = None) -> float:
+        """Seconds of one collective over ``group`` ranks whose ranks lie ``span`` apart.
+        ``extent``: for one hop (``group=2``) of a ring or chain, how many members that
+        ring or chain has (default ``group``): when they span nodes, the hop is priced on
+        the inter-node link, since the slowest hop sets every hop's pace."""
         if group <= 1:
             return 0.0
-        card = self.card if self.inter is None or group * span <= self.gpus_per_node \
+        members = group if extent is None else extent
+        card = self.card if self.inter is None or members * span <= self.gpus_per_node \
             else self.inter
         return card.comm_time(kind, nbytes, group)
 
@@ -130,6 +150,15 @@ class LlamaWorkload:
     seq: int
     dtype: str = "bfloat16"
     elem: int = 2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, LlamaShape):
+            check_choice("model", self.model, tuple(PRESETS))
+        check_int("batch", self.batch, lo=1)
+        check_int("seq", self.seq, lo=1)
+        if not isinstance(self.dtype, str):
+            raise TypeError(f"dtype must be a str naming a card's rate, got {self.dtype!r}")
+        check_int("elem", self.elem, lo=1)
 
     def shape(self) -> LlamaShape:
         return PRESETS[self.model] if isinstance(self.model, str) else self.model
@@ -188,6 +217,15 @@ class TinyGPT:
     seq: int
     dtype: str = "float64"
     elem: int = 8
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cfg, GPTConfig):
+            raise TypeError(f"cfg must be a GPTConfig, got {type(self.cfg).__name__}")
+        check_int("batch", self.batch, lo=1)
+        check_int("seq", self.seq, lo=1, hi=self.cfg.max_seq)
+        # The composed mesh trains in float64 and the memory count is of float64 tensors.
+        check_choice("dtype", self.dtype, ("float64",))
+        check_choice("elem", self.elem, (8,))
 
     @property
     def layers(self) -> int:
@@ -283,14 +321,35 @@ class TinyGPT:
 # ---------------------------------------------------------------------------------------
 # The space, the prediction, the ranking.
 
+def _check_workload(workload) -> None:
+    if not isinstance(workload, LlamaWorkload | TinyGPT):
+        raise TypeError(f"workload must be a LlamaWorkload or TinyGPT, got "
+                        f"{type(workload).__name__}")
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _nonempty(name: str, values, check) -> list:
+    """A non-empty list or tuple of values, each checked."""
+    if isinstance(values, str) or not isinstance(values, list | tuple) or not values:
+        raise TypeError(f"{name} must be a non-empty list or tuple, got {values!r}")
+    return [check(v) for v in values]
 
 
 def plans(workload, gpus: int, *, zero=(0, 1, 2, 3), recompute=RECOMPUTE, cp: bool = True,
           micro_batches=None) -> list[Plan]:
     """Every :class:`Plan` on ``gpus`` GPUs that ``workload`` accepts (shapes divide)."""
+    _check_workload(workload)
     gpus = check_int("gpus", gpus, lo=1)
+    zero = _nonempty("zero", zero, lambda v: check_choice("zero", v, (0, 1, 2, 3)))
+    recompute = _nonempty("recompute", recompute,
+                          lambda v: check_choice("recompute", v, RECOMPUTE))
+    check_bool("cp", cp)
+    if micro_batches is not None:
+        micro_batches = _nonempty("micro_batches", micro_batches,
+                                  lambda v: check_int("micro_batches", v, lo=1))
     out = []
     for tp, pp, c in itertools.product(_divisors(gpus), repeat=3):
         if gpus % (tp * pp * c) or (c > 1 and not cp):
@@ -310,6 +369,13 @@ def predict(workload, plan: Plan, cluster: Cluster) -> Prediction:
     FLOPs ``3 F`` (recomputation not counted) over the step time and the GPUs' rate."""
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a Plan, got {type(plan).__name__}")
+    _check_workload(workload)
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster must be a Cluster, got {type(cluster).__name__}")
+    if cluster.inter is None and plan.gpus > cluster.gpus_per_node:
+        raise ValueError(f"plan {plan} needs {plan.gpus} GPUs but cluster has one node of "
+                         f"gpus_per_node={cluster.gpus_per_node} and no inter-node link "
+                         "(give Cluster(inter=...))")
     why = workload.check(plan)
     if why is not None:
         raise ValueError(f"plan {plan} does not fit the workload: {why}")
@@ -322,9 +388,13 @@ def predict(workload, plan: Plan, cluster: Cluster) -> Prediction:
     per_layer = 2 * (cluster.link("all_gather", act, plan.tp, 1)
                      + cluster.link("reduce_scatter", act, plan.tp, 1))
     tp_time = 2 * per_layer * M * workload.layers / plan.pp
-    cp_time = (3 * (plan.cp - 1) * cluster.link("p2p", workload.kv_bytes(plan), 2, plan.tp)
+    # A CP ring of cp ranks tp apart, a PP chain of pp stages tp cp dp apart: a hop is
+    # priced by the whole ring's (chain's) extent, which decides whether it crosses nodes.
+    cp_time = (3 * (plan.cp - 1) * cluster.link("p2p", workload.kv_bytes(plan), 2, plan.tp,
+                                                extent=plan.cp)
                * M * workload.layers / plan.pp) if plan.cp > 1 else 0.0
-    pp_time = 2 * M * cluster.link("p2p", act / plan.tp, 2, plan.tp * plan.cp * plan.dp)
+    pp_time = (2 * M * cluster.link("p2p", act / plan.tp, 2, plan.tp * plan.cp * plan.dp,
+                                    extent=plan.pp)) if plan.pp > 1 else 0.0
     grads = workload.params() / (plan.tp * plan.pp) * e
     dp_ranks = plan.dp * plan.cp
     dp_time = (cluster.link("reduce_scatter", grads, dp_ranks, plan.tp)
@@ -344,6 +414,9 @@ def predict(workload, plan: Plan, cluster: Cluster) -> Prediction:
 def rank_plans(workload, cluster: Cluster, gpus: int, **space) -> list[Prediction]:
     """:func:`predict` for every plan of :func:`plans`; those that fit first, fastest first
     (ties: least memory first), then those that do not fit, smallest memory first."""
+    _check_workload(workload)
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster must be a Cluster, got {type(cluster).__name__}")
     preds = [predict(workload, p, cluster) for p in plans(workload, gpus, **space)]
     if not preds:
         raise ValueError(f"no plan on gpus={gpus} fits the workload's shapes")

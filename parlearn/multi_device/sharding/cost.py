@@ -74,7 +74,10 @@ def comm_model(n_params: int, world_size: int, stage: int,
 def gpus_needed(n_params: int, gpu_bytes: float, stage: int,
                 precision: str = "bf16-mixed", *, max_gpus: int = 1 << 20) -> int | None:
     """The fewest ranks at which :func:`memory_model` fits in ``gpu_bytes`` (None: never)."""
+    check_int("n_params", n_params, lo=0)
     check_float("gpu_bytes", gpu_bytes, lo=0, lo_open=True)
+    check_choice("stage", stage, STAGES)
+    check_choice("precision", precision, tuple(PRECISIONS))
     for n in range(1, check_int("max_gpus", max_gpus, lo=1) + 1):
         if memory_model(n_params, n, stage, precision)["total"] <= gpu_bytes:
             return n

@@ -162,7 +162,10 @@ class ShardedAdam:
     Units are the modules that own parameters directly, each one flat padded buffer.
     Frozen parameters (``requires_grad=False``) belong to no unit: every rank keeps them
     whole, with no gradient and no Adam state. A tied parameter belongs to the first module
-    holding it. The model's initial parameters must be equal on every rank.
+    holding it. The model's initial parameters must be equal on every rank (its names,
+    shapes and dtypes are checked to agree, a ``ValueError`` on every rank otherwise). A
+    model with BatchNorm is refused: its statistics of each rank's shard would not equal
+    the whole batch's.
     """
 
     def __init__(self, model: nn.Module, *, stage: int, lr: float = 1e-3,
@@ -179,6 +182,13 @@ class ShardedAdam:
         if not tdist.is_initialized():
             raise RuntimeError("ShardedAdam needs an initialised process group: run it inside "
                                "parlearn.distributed.run(...) or under torchrun")
+        from parlearn.multi_device.data_parallel.ddp import (
+            check_same_on_every_rank,
+            refuse_batch_statistics,
+        )
+
+        refuse_batch_statistics(model, "ShardedAdam")
+        check_same_on_every_rank(model, group, "ShardedAdam")
         self.group = group
         self.world_size = tdist.get_world_size(group)
         self.rank = tdist.get_rank(group)

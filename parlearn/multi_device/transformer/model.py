@@ -100,7 +100,10 @@ class Attention(nn.Module):
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
         if selective:
-            y = checkpoint(attention_core, q, k, v, mask, use_reentrant=False)
+            # Nothing in forward is random (no dropout): there is no RNG state to replay,
+            # and stashing one (5 KB per call on the CPU) would hold memory no ledger sees.
+            y = checkpoint(attention_core, q, k, v, mask, use_reentrant=False,
+                           preserve_rng_state=False)
         else:
             y = attention_core(q, k, v, mask)
         return self.o(y.transpose(1, 2).reshape(b, s, -1))  # -1: h, or h/tp under torch TP
@@ -197,7 +200,8 @@ class GPT(nn.Module):
         mask, cos, sin = self.mask[:s, :s], self.cos[:s], self.sin[:s]
         for block in self.blocks:
             if recompute == "full":
-                x = checkpoint(block, x, mask, cos, sin, use_reentrant=False)
+                x = checkpoint(block, x, mask, cos, sin, use_reentrant=False,
+                               preserve_rng_state=False)  # no randomness: see above
             else:
                 x = block(x, mask, cos, sin, recompute == "selective")
         logits = F.linear(self.ln_f(x), self.head_weight)

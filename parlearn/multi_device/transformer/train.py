@@ -46,7 +46,12 @@ def measured_flops(model: GPT, idx: torch.Tensor, targets: torch.Tensor, *,
     Leaves the model's ``.grad`` as it found it."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    saved = [p.grad for p in model.parameters()]
+    params = list(model.parameters())
+    # Set the user's .grad aside (not merely remember it): backward adds into an existing
+    # .grad in place, so the remembered tensor itself would change.
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
     counter = FlopCounterMode(display=False)
     try:
         with counter:
@@ -54,7 +59,7 @@ def measured_flops(model: GPT, idx: torch.Tensor, targets: torch.Tensor, *,
             if backward:
                 loss.backward()
     finally:
-        for p, g in zip(model.parameters(), saved, strict=True):
+        for p, g in zip(params, saved, strict=True):
             p.grad = g
     return counter.get_total_flops()
 
