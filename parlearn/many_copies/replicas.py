@@ -68,6 +68,8 @@ def make_replicas(n_in: int, hidden: int, n_out: int, replicas: int, *, seed: in
     replicas = check_int("replicas", replicas, lo=1)
     seed = check_int("seed", seed, lo=0)
     check_bool("shared_init", shared_init)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     return [mlp([n_in, hidden, n_out], seed=seed if shared_init else seed + r, dtype=dtype)
             for r in range(replicas)]
 
@@ -240,9 +242,19 @@ def ensemble_probs(logits: torch.Tensor) -> torch.Tensor:
     return logits.softmax(-1).mean(0)
 
 
+def _check_labels(logits: torch.Tensor, y: torch.Tensor) -> None:
+    """``logits`` (R, n, C) floating, ``y`` (n,) integer labels in ``[0, C)``."""
+    check_tensor("logits", logits, ndim=3, floating=True)
+    check_tensor("y", y, shape=(logits.shape[1],), floating=False)
+    c = logits.shape[2]
+    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= c):
+        raise ValueError(f"y must hold labels in [0, {c - 1}], got values from {int(y.min())} "
+                         f"to {int(y.max())}")
+
+
 def ensemble_nll(logits: torch.Tensor, y: torch.Tensor) -> float:
     """Cross-entropy of the averaged probabilities: ``-mean_i log(mean_r p_r(y_i | x_i))``."""
-    check_tensor("y", y, ndim=1, floating=False)
+    _check_labels(logits, y)
     p = ensemble_probs(logits)
     return -p.gather(1, y[:, None]).log().mean().item()
 
@@ -252,8 +264,7 @@ def mean_replica_nll(logits: torch.Tensor, y: torch.Tensor) -> float:
 
     By Jensen (``-log`` is convex) :func:`ensemble_nll` is never above this, for any logits.
     """
-    check_tensor("logits", logits, ndim=3, floating=True)
-    check_tensor("y", y, ndim=1, floating=False)
+    _check_labels(logits, y)
     logp = logits.log_softmax(-1)
     return -logp.gather(2, y.expand(logits.shape[0], -1)[..., None]).mean().item()
 
@@ -264,8 +275,7 @@ def accuracies(logits: torch.Tensor, y: torch.Tensor) -> dict:
     Unlike the cross-entropy, the ensemble's accuracy is *not* guaranteed to be at least
     the mean replica's: a majority of wrong replicas can outvote a right one.
     """
-    check_tensor("logits", logits, ndim=3, floating=True)
-    check_tensor("y", y, shape=(logits.shape[1],), floating=False)
+    _check_labels(logits, y)
     each = (logits.argmax(-1) == y).double().mean(1)
     ens = (ensemble_probs(logits).argmax(-1) == y).double().mean().item()
     return {"replicas": each.tolist(), "mean_replica": each.mean().item(), "ensemble": ens}
@@ -280,6 +290,11 @@ def average_weights(params: Params) -> Params:
     """
     if not isinstance(params, dict) or not params:
         raise TypeError("params must be a non-empty dict of stacked tensors")
+    for k, v in params.items():
+        check_tensor(f"params[{k!r}]", v, floating=True)
+        if v.dim() == 0 or v.shape[0] == 0:
+            raise ValueError(f"params[{k!r}] must have a leading replica axis of size >= 1, "
+                             f"got shape {tuple(v.shape)}")
     return {k: v.mean(0) for k, v in params.items()}
 
 

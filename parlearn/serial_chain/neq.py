@@ -112,6 +112,8 @@ def phi(previous: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
 
 def velocity_step(v_prev: torch.Tensor, dphi: torch.Tensor, mu: float) -> torch.Tensor:
     """The paper's velocity of the similarity's change: ``v^t = dphi^t - mu v^{t-1}``."""
+    v_prev = check_tensor("v_prev", v_prev, floating=True)
+    dphi = check_tensor("dphi", dphi, shape=tuple(v_prev.shape), floating=True)
     mu = check_float("mu", mu, lo=0, hi=1)
     return dphi - mu * v_prev
 
@@ -270,6 +272,15 @@ def masked_backward(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor,
     return loss.item(), grads
 
 
+def _check_widths(widths: Sequence[int]) -> list[int]:
+    if isinstance(widths, str) or not isinstance(widths, Sequence):
+        raise TypeError(f"widths must be a sequence of ints, got {widths!r}")
+    if len(widths) < 2:
+        raise ValueError(f"widths must list at least an input and an output width, got "
+                         f"{list(widths)}")
+    return [check_int("widths[i]", w, lo=1) for w in widths]
+
+
 def backward_flops(widths: Sequence[int], batch: int, active: Sequence[int]) -> int:
     """Modeled matmul FLOPs of :func:`masked_backward` on an MLP ``widths`` (Linear layer
     ``l`` maps ``widths[l]`` to ``widths[l+1]``) for a minibatch of ``batch``, with
@@ -277,7 +288,7 @@ def backward_flops(widths: Sequence[int], batch: int, active: Sequence[int]) -> 
     gradient plus ``2 B m_l n_l`` for the input gradient if some layer below has an active
     neuron (never for the first layer). Bias gradients are sums, not matmuls: not counted.
     All active gives plain backprop's ``sum_l 2 B m_l n_l (1 + [l > 0])``."""
-    widths = [check_int("widths[i]", w, lo=1) for w in widths]
+    widths = _check_widths(widths)
     batch = check_int("batch", batch, lo=1)
     if len(active) != len(widths) - 1:
         raise ValueError(f"active needs {len(widths) - 1} counts, got {len(active)}")
@@ -317,7 +328,7 @@ def allreduce_bytes(widths: Sequence[int], active: Sequence[int], *, world_size:
     subset), so the ranks agree on which rows to send without a message."""
     from parlearn.distributed.cost import ring_bytes
 
-    widths = [check_int("widths[i]", w, lo=1) for w in widths]
+    widths = _check_widths(widths)
     if len(active) != len(widths) - 1:
         raise ValueError(f"active needs {len(widths) - 1} counts, got {len(active)}")
     world_size = check_int("world_size", world_size, lo=2)

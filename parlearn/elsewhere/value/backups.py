@@ -82,6 +82,8 @@ def ebu_targets_loop(q_next: torch.Tensor, actions: torch.Tensor, rewards: torch
     """
     q_next = check_tensor("q_next", q_next, ndim=2, floating=True)
     T = q_next.shape[0]
+    if T == 0:
+        raise ValueError("q_next must hold at least one transition, got T = 0")
     actions = check_tensor("actions", actions, shape=(T,), floating=False)
     rewards = check_tensor("rewards", rewards, shape=(T,), floating=True)
     terminal = check_bool("terminal", terminal)
@@ -274,6 +276,8 @@ def tsoft_init(target: Sequence[torch.Tensor], tau: float, eps: float = 1e-8) ->
     eps = check_float("eps", eps, lo=0, lo_open=True)
     if isinstance(target, torch.Tensor) or not isinstance(target, Sequence):
         raise TypeError(f"target must be a sequence of tensors, got {type(target).__name__}")
+    for i, t in enumerate(target):
+        check_tensor(f"target[{i}]", t, floating=True)
     n = len(target)
     return TSoftState([eps] * n, [(1 - tau) / tau] * n, [tau] * n)
 

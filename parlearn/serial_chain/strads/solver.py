@@ -86,12 +86,12 @@ def correlated_design(n: int, d: int, *, groups: int = 10, corr: float = 0.9,
 def check_problem(x, y, alpha) -> tuple[torch.Tensor, torch.Tensor, float]:
     """``(X, y, alpha)`` checked: ``X`` a 2-D float tensor with no zero column, ``y`` of
     length ``n`` and the same dtype, ``alpha > 0``."""
-    x = check_tensor("X", x, ndim=2, floating=True, finite=True)
+    x = check_tensor("x", x, ndim=2, floating=True, finite=True)
     y = check_tensor("y", y, shape=(x.shape[0],), floating=True, finite=True)
     if y.dtype != x.dtype:
         raise TypeError(f"y must have X's dtype {x.dtype}, got {y.dtype}")
     if bool((x.norm(dim=0) == 0).any()):
-        raise ValueError("X must have no all-zero column (its coordinate update divides by "
+        raise ValueError("x must have no all-zero column (its coordinate update divides by "
                          "|x_j|^2)")
     return x, y, check_float("alpha", alpha, lo=0, lo_open=True)
 
@@ -170,7 +170,7 @@ def dependency_filter(candidates: torch.Tensor, corr: torch.Tensor, rho: float,
     :func:`column_correlations`); stop at ``workers`` kept. Greedy, so the first
     candidate (the highest-priority draw) is always kept. ``rho`` in (0, 1] (a correlation;
     at 1 only perfectly correlated pairs block each other), ``workers >= 1``."""
-    corr = check_tensor("corr", corr, ndim=2, floating=True)
+    corr = check_tensor("corr", corr, ndim=2, floating=True, finite=True)
     d = corr.shape[0]
     if corr.shape != (d, d):
         raise ValueError(f"corr must be square, got shape {tuple(corr.shape)}")
@@ -201,10 +201,12 @@ def strads_schedule(last_change: torch.Tensor, corr: torch.Tensor, workers: int,
     ours."""
     priorities(last_change, floor)  # checks both
     d = last_change.shape[0]
-    corr = check_tensor("corr", corr, shape=(d, d), floating=True)
+    corr = check_tensor("corr", corr, shape=(d, d), floating=True, finite=True)
     workers = check_int("workers", workers, lo=1)
     rho = check_float("rho", rho, lo=0, hi=1, lo_open=True)
-    candidates = check_int("candidates", candidates, lo=workers)
+    candidates = check_int("candidates", candidates, lo=1)
+    if candidates < workers:
+        raise ValueError(f"candidates={candidates} must be at least workers={workers}")
     if not isinstance(gen, torch.Generator):
         raise TypeError(f"gen must be a torch.Generator, got {type(gen).__name__}")
     drawn = torch.multinomial(priorities(last_change, floor), min(candidates, d),
@@ -270,7 +272,7 @@ def round_update(z_sum: torch.Tensor, w_s: torch.Tensor, c_s: torch.Tensor, n: i
     row): ``S(X_S^T r / n + c_S w_S, alpha) / c_S``, each as if it were the only one."""
     z_sum = check_tensor("z_sum", z_sum, ndim=1, floating=True)
     check_tensor("w_s", w_s, shape=tuple(z_sum.shape), floating=True)
-    check_tensor("c_s", c_s, shape=tuple(z_sum.shape), floating=True)
+    check_tensor("c_s", c_s, shape=tuple(z_sum.shape), floating=True, finite=True)
     if bool((c_s <= 0).any()):
         raise ValueError("c_s must be positive (|x_j|^2 / n of a non-zero column)")
     n = check_int("n", n, lo=1)
