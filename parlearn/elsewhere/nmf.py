@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from parlearn.core.checks import check_int, check_seed, check_tensor
+from parlearn.core.checks import check_bool, check_float, check_int, check_seed, check_tensor
 
 __all__ = ["objective", "mu_step", "mu_step_loop", "nmf", "random_init", "make_corpus",
            "activations", "convert", "conversion_error", "exemplar_dictionary",
@@ -41,25 +41,56 @@ def _nonneg(name: str, x: torch.Tensor, ndim: int = 2) -> torch.Tensor:
     return x
 
 
+# scikit-learn's guard for a zero denominator (an all-zero row or column of V drives a row of
+# W or a column of H to zero, and then its denominator is 0 too): 0 / EPSILON = 0 keeps that
+# entry at zero where 0 / 0 would be NaN. A denominator that is not zero is left as it is, so
+# the iterates stay scikit-learn's.
+EPSILON = float(torch.finfo(torch.float32).eps)
+
+
+def _safe(den: torch.Tensor) -> torch.Tensor:
+    return torch.where(den == 0, torch.full_like(den, EPSILON), den)
+
+
+def _check_vwh(v, w, h) -> None:
+    _nonneg("v", v)
+    _nonneg("w", w)
+    _nonneg("h", h)
+    if w.shape[0] != v.shape[0] or h.shape[1] != v.shape[1] or w.shape[1] != h.shape[0]:
+        raise ValueError(f"w {tuple(w.shape)} and h {tuple(h.shape)} do not fit "
+                         f"v {tuple(v.shape)} (need w (F, k), h (k, N) for v (F, N))")
+    if not v.dtype == w.dtype == h.dtype:
+        raise TypeError(f"v, w and h must share one dtype, got {v.dtype}, {w.dtype}, {h.dtype}")
+
+
 def objective(v: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> float:
     """``0.5 ||V - W H||_F^2`` (scikit-learn's ``NMF`` reports this for Frobenius loss)."""
+    _check_vwh(v, w, h)
     return 0.5 * float(((v - w @ h) ** 2).sum())
 
 
 def mu_step(v: torch.Tensor, w: torch.Tensor, h: torch.Tensor, *, update_w: bool = True,
             update_h: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One multiplicative update, every entry at once: ``W <- W * (V H^T) / (W H H^T)``, then
-    ``H <- H * (W^T V) / (W^T W H)`` with the new W (scikit-learn's order)."""
+    ``H <- H * (W^T V) / (W^T W H)`` with the new W (scikit-learn's order). A zero
+    denominator is replaced by scikit-learn's ``EPSILON`` (float32's machine epsilon): its
+    numerator is then zero too, and the entry stays 0 instead of becoming NaN."""
+    _check_vwh(v, w, h)
+    check_bool("update_w", update_w)
+    check_bool("update_h", update_h)
     if update_w:
-        w = w * (v @ h.T) / (w @ (h @ h.T))
+        w = w * (v @ h.T) / _safe(w @ (h @ h.T))
     if update_h:
-        h = h * (w.T @ v) / ((w.T @ w) @ h)
+        h = h * (w.T @ v) / _safe((w.T @ w) @ h)
     return w, h
 
 
 def mu_step_loop(v: torch.Tensor, w: torch.Tensor, h: torch.Tensor, *, update_w: bool = True,
                  update_h: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`mu_step` one entry at a time with Python loops (the serial reference)."""
+    _check_vwh(v, w, h)
+    check_bool("update_w", update_w)
+    check_bool("update_h", update_h)
     f, n = v.shape
     k = w.shape[1]
     if update_w:
@@ -69,7 +100,7 @@ def mu_step_loop(v: torch.Tensor, w: torch.Tensor, h: torch.Tensor, *, update_w:
             for a in range(k):
                 num = sum(float(v[i, j] * h[a, j]) for j in range(n))
                 den = sum(float(wh[i, j] * h[a, j]) for j in range(n))
-                new[i, a] = w[i, a] * num / den
+                new[i, a] = w[i, a] * num / (den if den != 0 else EPSILON)
         w = new
     if update_h:
         wh = w @ h
@@ -78,7 +109,7 @@ def mu_step_loop(v: torch.Tensor, w: torch.Tensor, h: torch.Tensor, *, update_w:
             for j in range(n):
                 num = sum(float(w[i, a] * v[i, j]) for i in range(f))
                 den = sum(float(w[i, a] * wh[i, j]) for i in range(f))
-                new[a, j] = h[a, j] * num / den
+                new[a, j] = h[a, j] * num / (den if den != 0 else EPSILON)
         h = new
     return w, h
 
@@ -87,6 +118,7 @@ def random_init(v: torch.Tensor, k: int, seed: int | torch.Generator = 0
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Positive random ``W (F, k), H (k, N)`` scaled like scikit-learn's ``init='random'``
     (entries ``|N(0,1)| * sqrt(mean(V) / k)``), in V's dtype."""
+    _nonneg("v", v)
     k = check_int("k", k, lo=1)
     g = _gen(seed)
     scale = math.sqrt(float(v.mean()) / k)
@@ -105,6 +137,15 @@ def nmf(v: torch.Tensor, k: int | None = None, *, steps: int = 200,
     """
     _nonneg("v", v)
     steps = check_int("steps", steps, lo=0)
+    check_bool("update_w", update_w)
+    check_seed("seed", seed)
+    if k is not None:
+        k = check_int("k", k, lo=1)
+    if init is not None and (not isinstance(init, tuple | list) or len(init) != 2):
+        raise TypeError(f"init must be a pair (W, H), got {type(init).__name__}")
+    if init is not None and k is not None and k != init[0].shape[-1]:
+        raise ValueError(f"k={k} disagrees with init's {init[0].shape[-1]} components; "
+                         "give one of them")
     if init is None:
         if k is None:
             raise ValueError("give k (the number of components) or init=(W, H)")
@@ -122,6 +163,19 @@ def nmf(v: torch.Tensor, k: int | None = None, *, steps: int = 200,
 
 
 # -- paired dictionaries for spectral conversion ---------------------------------------------
+def _check_pair(name: str, pair, rows: int | None = None) -> None:
+    """A corpus or dictionary: ``{"src", "tgt"}``, nonnegative (F, n) tensors, same shape."""
+    if not isinstance(pair, dict) or not {"src", "tgt"} <= set(pair):
+        raise TypeError(f"{name} must be a dict with 'src' and 'tgt', got {type(pair).__name__}")
+    _nonneg(f"{name}['src']", pair["src"])
+    _nonneg(f"{name}['tgt']", pair["tgt"])
+    if pair["src"].shape[1] != pair["tgt"].shape[1]:
+        raise ValueError(f"{name}['src'] and {name}['tgt'] must pair the same number of "
+                         f"frames, got {pair['src'].shape[1]} and {pair['tgt'].shape[1]}")
+    if rows is not None and pair["src"].shape[0] != rows:
+        raise ValueError(f"{name}['src'] must have {rows} rows, got {pair['src'].shape[0]}")
+
+
 def _bumps(freqs: torch.Tensor, centres: torch.Tensor, width: float) -> torch.Tensor:
     return torch.exp(-0.5 * ((freqs[:, None] - centres[None, :]) / width) ** 2)
 
@@ -134,6 +188,11 @@ def make_corpus(frames: int, *, bins: int = 64, units: int = 12, active: int = 3
     gains, identically for both speakers, plus ``noise`` (absolute value, so spectra stay
     nonnegative). Returns ``{"src", "tgt"}``: (bins, frames) float64 each."""
     frames = check_int("frames", frames, lo=1)
+    bins = check_int("bins", bins, lo=1)
+    units = check_int("units", units, lo=1)
+    active = check_int("active", active, lo=1, hi=units)
+    warp = check_float("warp", warp, lo=0, lo_open=True)
+    noise = check_float("noise", noise, lo=0)
     g = _gen(seed)
     f = torch.linspace(0, 1, bins, dtype=torch.float64)
     centres = torch.rand(units, 3, generator=g, dtype=torch.float64) * 0.8 + 0.05
@@ -152,6 +211,7 @@ def make_corpus(frames: int, *, bins: int = 64, units: int = 12, active: int = 3
 
 def exemplar_dictionary(corpus: dict, size: int, seed: int = 0) -> dict:
     """``size`` paired exemplars: the same randomly chosen frames from source and target."""
+    _check_pair("corpus", corpus)
     size = check_int("size", size, lo=1, hi=corpus["src"].shape[1])
     pick = torch.randperm(corpus["src"].shape[1], generator=_gen(seed))[:size]
     return {"src": corpus["src"][:, pick].clone(), "tgt": corpus["tgt"][:, pick].clone()}
@@ -161,6 +221,9 @@ def update_dictionary(corpus: dict, dictionary: dict, *, steps: int = 200,
                       seed: int = 0) -> dict:
     """Joint NMF on ``[src; tgt]`` from the paired exemplars: both halves of every atom and
     the shared activations updated together, so the dictionaries stay paired."""
+    _check_pair("corpus", corpus)
+    _check_pair("dictionary", dictionary, rows=corpus["src"].shape[0])
+    steps = check_int("steps", steps, lo=0)
     v = torch.cat([corpus["src"], corpus["tgt"]])
     w = torch.cat([dictionary["src"], dictionary["tgt"]])
     h0 = activations(corpus["src"], dictionary["src"], steps=50, seed=seed)
@@ -173,6 +236,12 @@ def activations(v: torch.Tensor, w: torch.Tensor, *, steps: int = 200,
                 seed: int = 0) -> torch.Tensor:
     """Nonnegative ``H`` with ``V ~ W H`` for the fixed dictionary ``W`` (multiplicative
     updates of H only, from a positive random start)."""
+    _nonneg("v", v)
+    _nonneg("w", w)
+    if w.shape[0] != v.shape[0] or w.dtype != v.dtype:
+        raise ValueError(f"w must be (F={v.shape[0]}, k) of v's dtype {v.dtype}, got "
+                         f"{tuple(w.shape)} {w.dtype}")
+    check_int("steps", steps, lo=0)
     _, h = random_init(v, w.shape[1], seed)
     return nmf(v, init=(w, h), steps=steps, update_w=False)["h"]
 
@@ -180,10 +249,14 @@ def activations(v: torch.Tensor, w: torch.Tensor, *, steps: int = 200,
 def convert(src: torch.Tensor, dictionary: dict, *, steps: int = 200) -> torch.Tensor:
     """Source frames to target frames: activations on the source dictionary, applied to the
     target dictionary."""
+    _nonneg("src", src)
+    _check_pair("dictionary", dictionary, rows=src.shape[0])
+    check_int("steps", steps, lo=0)
     return dictionary["tgt"] @ activations(src, dictionary["src"], steps=steps)
 
 
 def conversion_error(test: dict, dictionary: dict, *, steps: int = 200) -> float:
     """``||converted - true target||_F / ||true target||_F`` on a held-out parallel set."""
+    _check_pair("test", test)
     out = convert(test["src"], dictionary, steps=steps)
     return float((out - test["tgt"]).norm() / test["tgt"].norm())

@@ -68,6 +68,8 @@ def make_replicas(n_in: int, hidden: int, n_out: int, replicas: int, *, seed: in
     replicas = check_int("replicas", replicas, lo=1)
     seed = check_int("seed", seed, lo=0)
     check_bool("shared_init", shared_init)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     return [mlp([n_in, hidden, n_out], seed=seed if shared_init else seed + r, dtype=dtype)
             for r in range(replicas)]
 
@@ -113,6 +115,47 @@ def check_stacked(base: nn.Module, params: Params) -> int:
     return check_int("R", sizes.pop(), lo=1)
 
 
+def _check_buffers(base: nn.Module, buffers: Params, r: int) -> None:
+    """``buffers`` must be ``base``'s buffers, each with one leading axis of size ``r``."""
+    if not isinstance(buffers, dict):
+        raise TypeError(f"buffers must be a dict of stacked tensors, got "
+                        f"{type(buffers).__name__}")
+    names = dict(base.named_buffers())
+    if set(buffers) != set(names):
+        raise ValueError(f"buffers has entries {sorted(buffers)}, base has {sorted(names)}")
+    for k, v in buffers.items():
+        check_tensor(f"buffers[{k!r}]", v)
+        if v.shape != (r, *names[k].shape):
+            raise ValueError(f"buffers[{k!r}] must have shape ({r}, *{tuple(names[k].shape)}), "
+                             f"got {tuple(v.shape)}")
+
+
+def _check_model(name: str, model: nn.Module) -> nn.Module:
+    """Refuse up front what the batched step cannot reproduce: a normalisation layer that
+    updates running statistics in training mode (the loop would change the models' buffers,
+    the batched step returns parameters only). In eval mode such a layer is fine."""
+    check_module(name, model)
+    for sub_name, sub in model.named_modules():
+        if (isinstance(sub, nn.modules.batchnorm._NormBase) and sub.training
+                and sub.track_running_stats):
+            raise ValueError(f"{name} has {type(sub).__name__} {sub_name!r} in training mode: "
+                             "its running statistics change on every forward, which the "
+                             "replicated step does not carry; call .eval() on the model "
+                             "first, or use one without running statistics")
+    return model
+
+
+def _check_data(x: torch.Tensor, y: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (n, d) or (R, n, d) floating, ``y`` (n,) or (R, n) integer, the same n."""
+    check_tensor("x", x, ndim=(2, 3), floating=True)
+    check_tensor("y", y, ndim=(1, 2), floating=False)
+    if x.shape[-2] != y.shape[-1]:
+        raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)} disagree on examples")
+    if x.shape[-2] == 0:
+        raise ValueError("x must hold at least one example, got 0")
+    return _per_replica("x", x, r, 2), _per_replica("y", y, r, 1)
+
+
 def _per_replica(name: str, t: torch.Tensor, r: int, ndim: int) -> torch.Tensor:
     """``t`` shared by all replicas (``ndim`` dims) or one per replica (``ndim + 1``)."""
     check_tensor(name, t, ndim=(ndim, ndim + 1))
@@ -124,27 +167,35 @@ def _per_replica(name: str, t: torch.Tensor, r: int, ndim: int) -> torch.Tensor:
 # --- one SGD step: the loop over models (reference) and the batched program --------------
 
 
-def _loss(base: nn.Module, p: Params, b: Params, x: torch.Tensor, y: torch.Tensor):
-    return nn.functional.cross_entropy(functional_call(base, (p, b), (x,)), y)
+def _loss(base: nn.Module, p: Params, fixed: Params, b: Params, x: torch.Tensor,
+          y: torch.Tensor):
+    # ``p``: the trainable parameters (differentiated); ``fixed``: the frozen ones.
+    return nn.functional.cross_entropy(functional_call(base, ({**p, **fixed}, b), (x,)), y)
 
 
 def sgd_step_looped(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor,
                     lr: float) -> list[float]:
     """Serial reference: for each model r, one SGD step ``p -= lr * grad CE(model(x_r), y_r)``.
 
-    ``x`` is ``(n, d)`` shared or ``(R, n, d)`` per replica, ``y`` likewise. Parameters are
-    updated in place; ``.grad`` is not touched (``torch.autograd.grad``). Returns the losses.
+    ``x`` is ``(n, d)`` shared or ``(R, n, d)`` per replica, ``y`` likewise. Trainable
+    parameters are updated in place (a frozen one, ``requires_grad=False``, never moves);
+    ``.grad`` is not touched (``torch.autograd.grad``). Returns the losses.
     """
+    if isinstance(models, nn.Module) or not isinstance(models, Sequence) or not models:
+        raise TypeError(f"models must be a non-empty sequence of nn.Module, got {models!r}")
+    for i, m in enumerate(models):
+        _check_model(f"models[{i}]", m)
     lr = check_float("lr", lr, lo=0, lo_open=True)
     r = len(models)
-    xs, ys = _per_replica("x", x, r, 2), _per_replica("y", y, r, 1)
+    xs, ys = _check_data(x, y, r)
     losses = []
     for m, xr, yr in zip(models, xs, ys, strict=True):
-        ps = list(m.parameters())
+        ps = [p for p in m.parameters() if p.requires_grad]
         loss = nn.functional.cross_entropy(m(xr), yr)
-        with torch.no_grad():
-            for p, g in zip(ps, torch.autograd.grad(loss, ps), strict=True):
-                p.sub_(lr * g)
+        if ps:
+            with torch.no_grad():
+                for p, g in zip(ps, torch.autograd.grad(loss, ps), strict=True):
+                    p.sub_(lr * g)
         losses.append(loss.item())
     return losses
 
@@ -154,19 +205,29 @@ def sgd_step_batched(base: nn.Module, params: Params, buffers: Params, x: torch.
     """The same step for all R replicas in one program: ``vmap(grad(loss))`` over the
     replica axis of ``params`` (and of ``x``, ``y`` when they are per replica).
 
+    Only ``base``'s trainable parameters are differentiated and stepped; a frozen one
+    (``requires_grad=False``) is returned unchanged, as :func:`sgd_step_looped` leaves it.
     Returns the new stacked parameters (the inputs are not modified).
     """
+    _check_model("base", base)
     r = check_stacked(base, params)
+    _check_buffers(base, buffers, r)
     lr = check_float("lr", lr, lo=0, lo_open=True)
-    xs, ys = _per_replica("x", x, r, 2), _per_replica("y", y, r, 1)
-    grads = vmap(grad(_loss, argnums=1), in_dims=(None, 0, 0, 0, 0))(base, params, buffers,
-                                                                     xs, ys)
-    return {k: params[k] - lr * grads[k] for k in params}
+    xs, ys = _check_data(x, y, r)
+    trainable = {k for k, p in base.named_parameters() if p.requires_grad}
+    train = {k: v for k, v in params.items() if k in trainable}
+    fixed = {k: v for k, v in params.items() if k not in trainable}
+    if not train:
+        return dict(params)
+    grads = vmap(grad(_loss, argnums=1), in_dims=(None, 0, 0, 0, 0, 0))(base, train, fixed,
+                                                                        buffers, xs, ys)
+    return {k: params[k] - lr * grads[k] if k in trainable else params[k] for k in params}
 
 
 def predict(base: nn.Module, params: Params, buffers: Params, x: torch.Tensor) -> torch.Tensor:
     """Logits of every replica on the same inputs ``x`` (n, d): shape (R, n, classes)."""
-    check_stacked(base, params)
+    r = check_stacked(base, params)
+    _check_buffers(base, buffers, r)
     check_tensor("x", x, ndim=2, floating=True)
     with torch.no_grad():
         return vmap(lambda p, b: functional_call(base, (p, b), (x,)))(params, buffers)
@@ -181,9 +242,19 @@ def ensemble_probs(logits: torch.Tensor) -> torch.Tensor:
     return logits.softmax(-1).mean(0)
 
 
+def _check_labels(logits: torch.Tensor, y: torch.Tensor) -> None:
+    """``logits`` (R, n, C) floating, ``y`` (n,) integer labels in ``[0, C)``."""
+    check_tensor("logits", logits, ndim=3, floating=True)
+    check_tensor("y", y, shape=(logits.shape[1],), floating=False)
+    c = logits.shape[2]
+    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= c):
+        raise ValueError(f"y must hold labels in [0, {c - 1}], got values from {int(y.min())} "
+                         f"to {int(y.max())}")
+
+
 def ensemble_nll(logits: torch.Tensor, y: torch.Tensor) -> float:
     """Cross-entropy of the averaged probabilities: ``-mean_i log(mean_r p_r(y_i | x_i))``."""
-    check_tensor("y", y, ndim=1, floating=False)
+    _check_labels(logits, y)
     p = ensemble_probs(logits)
     return -p.gather(1, y[:, None]).log().mean().item()
 
@@ -193,8 +264,7 @@ def mean_replica_nll(logits: torch.Tensor, y: torch.Tensor) -> float:
 
     By Jensen (``-log`` is convex) :func:`ensemble_nll` is never above this, for any logits.
     """
-    check_tensor("logits", logits, ndim=3, floating=True)
-    check_tensor("y", y, ndim=1, floating=False)
+    _check_labels(logits, y)
     logp = logits.log_softmax(-1)
     return -logp.gather(2, y.expand(logits.shape[0], -1)[..., None]).mean().item()
 
@@ -205,8 +275,7 @@ def accuracies(logits: torch.Tensor, y: torch.Tensor) -> dict:
     Unlike the cross-entropy, the ensemble's accuracy is *not* guaranteed to be at least
     the mean replica's: a majority of wrong replicas can outvote a right one.
     """
-    check_tensor("logits", logits, ndim=3, floating=True)
-    check_tensor("y", y, shape=(logits.shape[1],), floating=False)
+    _check_labels(logits, y)
     each = (logits.argmax(-1) == y).double().mean(1)
     ens = (ensemble_probs(logits).argmax(-1) == y).double().mean().item()
     return {"replicas": each.tolist(), "mean_replica": each.mean().item(), "ensemble": ens}
@@ -221,6 +290,11 @@ def average_weights(params: Params) -> Params:
     """
     if not isinstance(params, dict) or not params:
         raise TypeError("params must be a non-empty dict of stacked tensors")
+    for k, v in params.items():
+        check_tensor(f"params[{k!r}]", v, floating=True)
+        if v.dim() == 0 or v.shape[0] == 0:
+            raise ValueError(f"params[{k!r}] must have a leading replica axis of size >= 1, "
+                             f"got shape {tuple(v.shape)}")
     return {k: v.mean(0) for k, v in params.items()}
 
 
@@ -299,6 +373,8 @@ def _check_run(x, y, epochs, lr, batch_size, seed):
     check_tensor("y", y, ndim=(1, 2), floating=False)
     if x.shape[:-1] != y.shape:
         raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)} disagree on examples")
+    if x.shape[-2] == 0:
+        raise ValueError("x must hold at least one example, got 0")
     check_int("epochs", epochs, lo=1)
     check_float("lr", lr, lo=0, lo_open=True)
     check_int("batch_size", batch_size, lo=1)
@@ -310,6 +386,8 @@ def train_batched(base: nn.Module, params: Params, buffers: Params, x: torch.Ten
                   seed: int = 0) -> Params:
     """Minibatch SGD of all replicas at once (:func:`sgd_step_batched`); every replica sees
     the same minibatch positions (order from ``seed``) of its own data when x is per replica."""
+    _check_model("base", base)
+    _check_buffers(base, buffers, check_stacked(base, params))
     _check_run(x, y, epochs, lr, batch_size, seed)
     for idx in _batches(x.shape[-2], batch_size, epochs, seed):
         idx = idx.to(x.device)
@@ -321,7 +399,13 @@ def train_looped(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor, 
                  epochs: int = 1, lr: float = 0.1, batch_size: int = 32,
                  seed: int = 0) -> None:
     """:func:`train_batched`'s serial reference: the same minibatches, a loop over models."""
+    if isinstance(models, nn.Module) or not isinstance(models, Sequence) or not models:
+        raise TypeError(f"models must be a non-empty sequence of nn.Module, got {models!r}")
+    for i, m in enumerate(models):
+        _check_model(f"models[{i}]", m)
     _check_run(x, y, epochs, lr, batch_size, seed)
+    if x.dim() == 3 and x.shape[0] != len(models):
+        raise ValueError(f"x has {x.shape[0]} per-replica slices, expected R={len(models)}")
     for idx in _batches(x.shape[-2], batch_size, epochs, seed):
         idx = idx.to(x.device)
         sgd_step_looped(models, x[..., idx, :], y[..., idx], lr)

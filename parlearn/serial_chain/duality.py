@@ -58,6 +58,8 @@ def make_target(spectrum: Sequence[float], rows: int, cols: int, *, seed: int = 
                 dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """``M = U diag(spectrum) V^T`` with random orthonormal ``U`` (rows x r), ``V`` (cols x r)."""
     rows, cols = check_int("rows", rows, lo=1), check_int("cols", cols, lo=1)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     s = [check_float("spectrum", v, lo=0.0) for v in spectrum]
     if not 1 <= len(s) <= min(rows, cols):
         raise ValueError(f"spectrum must have 1..min(rows, cols) = {min(rows, cols)} values, "

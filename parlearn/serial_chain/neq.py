@@ -49,21 +49,49 @@ __all__ = ["linear_layers", "phi", "velocity_step", "Equilibrium", "masked_backw
 
 
 def linear_layers(model: nn.Module) -> list[nn.Linear]:
-    """The Linear layers of ``model``, an ``nn.Sequential`` of Linear layers and
-    parameter-free modules (activations); anything else is a TypeError."""
+    """The Linear layers of ``model``, an ``nn.Sequential`` of Linear layers (with or
+    without bias, trainable or wholly frozen) and modules with neither parameters nor
+    buffers (activations). Refused up front, naming the module: any other module with
+    parameters (TypeError) or buffers (ValueError: running statistics would move while the
+    validation outputs are taken), one Linear used twice (a tied layer: its neurons would
+    be watched and stepped twice), a Linear whose weight and bias differ in
+    ``requires_grad``."""
     check_module("model", model)
     if not isinstance(model, nn.Sequential):
         raise TypeError(f"model must be an nn.Sequential, got {type(model).__name__}")
-    out = []
+    out: list[nn.Linear] = []
     for i, m in enumerate(model):
         if isinstance(m, nn.Linear):
+            if any(m is o for o in out):
+                raise ValueError(f"model[{i}] is a Linear already used earlier (tied "
+                                 "weights): NEq watches and steps each neuron once")
+            if m.bias is not None and m.bias.requires_grad != m.weight.requires_grad:
+                raise ValueError(f"model[{i}]'s weight and bias differ in requires_grad: "
+                                 "NEq freezes a neuron's weight row and bias together")
             out.append(m)
         elif any(True for _ in m.parameters()):
             raise TypeError(f"model[{i}] ({type(m).__name__}) has parameters but is not "
                             f"nn.Linear: NEq here watches Linear neurons only")
+        elif any(True for _ in m.buffers()):
+            raise ValueError(f"model[{i}] ({type(m).__name__}) has buffers: NEq here takes "
+                             "Linear layers and stateless modules only")
     if not out:
         raise ValueError("model has no nn.Linear layer")
     return out
+
+
+def _effective(layers: Sequence[nn.Linear], active: Sequence[torch.Tensor]
+               ) -> list[torch.Tensor]:
+    """The masks with a wholly frozen layer (``requires_grad=False``) never active."""
+    return [a if m.weight.requires_grad else torch.zeros_like(a)
+            for m, a in zip(layers, active, strict=True)]
+
+
+def _check_xy(layers: Sequence[nn.Linear], x: torch.Tensor, y: torch.Tensor) -> None:
+    check_tensor("x", x, ndim=2, floating=True)
+    if x.shape[0] == 0:
+        raise ValueError("x must hold at least one example, got 0 rows")
+    check_tensor("y", y, shape=(x.shape[0],), floating=False)
 
 
 # ---------------------------------------------------------------------------------------
@@ -84,6 +112,8 @@ def phi(previous: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
 
 def velocity_step(v_prev: torch.Tensor, dphi: torch.Tensor, mu: float) -> torch.Tensor:
     """The paper's velocity of the similarity's change: ``v^t = dphi^t - mu v^{t-1}``."""
+    v_prev = check_tensor("v_prev", v_prev, floating=True)
+    dphi = check_tensor("dphi", dphi, shape=tuple(v_prev.shape), floating=True)
     mu = check_float("mu", mu, lo=0, hi=1)
     return dphi - mu * v_prev
 
@@ -143,17 +173,32 @@ def _check_active(model: nn.Sequential, active: Sequence[torch.Tensor]) -> list[
     return layers
 
 
+def _zero_grads(m: nn.Linear) -> list[torch.Tensor | None]:
+    return [torch.zeros_like(m.weight), None if m.bias is None else torch.zeros_like(m.bias)]
+
+
 def reference_backward(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor,
-                       active: Sequence[torch.Tensor]) -> tuple[float, list[torch.Tensor]]:
+                       active: Sequence[torch.Tensor]) -> tuple[float, list[torch.Tensor | None]]:
     """Cross-entropy loss and the gradients ``[dW_0, db_0, dW_1, ...]`` by full autograd,
-    the frozen rows then set to zero: the baseline. ``.grad`` is not touched."""
+    the frozen rows then set to zero: the baseline. A bias-free layer's ``db`` is None; a
+    wholly frozen layer (``requires_grad=False``) gets zeros. ``.grad`` is not touched."""
     layers = _check_active(model, active)
-    params = [p for m in layers for p in (m.weight, m.bias)]
+    _check_xy(layers, x, y)
+    active = _effective(layers, active)
+    params = [p for m in layers if m.weight.requires_grad
+              for p in (m.weight, m.bias) if p is not None]
     loss = F.cross_entropy(model(x), y)
-    grads = list(torch.autograd.grad(loss, params))
-    for i, a in enumerate(active):
-        grads[2 * i][~a] = 0
-        grads[2 * i + 1][~a] = 0
+    got = iter(torch.autograd.grad(loss, params)) if params else iter(())
+    grads: list[torch.Tensor | None] = []
+    for m, a in zip(layers, active, strict=True):
+        if not m.weight.requires_grad:
+            grads += _zero_grads(m)
+            continue
+        mine = [next(got), None if m.bias is None else next(got)]
+        for g in mine:
+            if g is not None:
+                g[~a] = 0
+        grads += mine
     return loss.item(), grads
 
 
@@ -176,7 +221,8 @@ class _RowMaskedLinear(torch.autograd.Function):
         dx = g @ weight if ctx.needs_input_grad[0] else None
         g_rows = g.index_select(1, rows)
         dw = weight.new_zeros(weight.shape).index_copy_(0, rows, g_rows.T @ x)
-        db = weight.new_zeros(weight.shape[0]).index_copy_(0, rows, g_rows.sum(0))
+        db = (weight.new_zeros(weight.shape[0]).index_copy_(0, rows, g_rows.sum(0))
+              if ctx.needs_input_grad[2] else None)  # None for a bias-free layer
         return dx, dw, db, None
 
 
@@ -189,38 +235,50 @@ def _masked_forward(model: nn.Sequential, x: torch.Tensor, active: Sequence[torc
         if not isinstance(m, nn.Linear):
             h = m(h)
             continue
-        a = active[k]
+        a = active[k] if m.weight.requires_grad else torch.zeros_like(active[k])
         k += 1
-        if bool(a.all()):  # nothing to skip: plain autograd, bit for bit torch's
-            w, b = m.weight.detach().requires_grad_(), m.bias.detach().requires_grad_()
-            h, mine = F.linear(h, w, b), [w, b]
-        elif bool(a.any()):
-            w, b = m.weight.detach().requires_grad_(), m.bias.detach().requires_grad_()
-            rows = a.nonzero().flatten()
-            h, mine = _RowMaskedLinear.apply(h, w, b, rows), [w, b]
+        bias = None if m.bias is None else m.bias.detach()
+        if bool(a.any()):
+            w = m.weight.detach().requires_grad_()
+            b = None if bias is None else bias.requires_grad_()
+            mine = [w] if b is None else [w, b]
+            if bool(a.all()):  # nothing to skip: plain autograd, bit for bit torch's
+                h = F.linear(h, w, b)
+            else:
+                h = _RowMaskedLinear.apply(h, w, b, a.nonzero().flatten())
         else:
             # Wholly frozen: constants to autograd. If every layer below is frozen too, h
             # needs no gradient, and autograd skips this layer's input gradient as well.
-            h, mine = F.linear(h, m.weight.detach(), m.bias.detach()), []
+            h, mine = F.linear(h, m.weight.detach(), bias), []
         leaves.append(mine)
     return h, leaves
 
 
 def masked_backward(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor,
-                    active: Sequence[torch.Tensor]) -> tuple[float, list[torch.Tensor]]:
+                    active: Sequence[torch.Tensor]) -> tuple[float, list[torch.Tensor | None]]:
     """The same loss and gradients as :func:`reference_backward`, computing only active
     rows' weight gradients (``g[:, rows]^T x``) and each layer's input gradient only when a
     layer below still has an active neuron. ``.grad`` is not touched."""
     layers = _check_active(model, active)
+    _check_xy(layers, x, y)
     out, leaves = _masked_forward(model, x, active)
     loss = F.cross_entropy(out, y)
     flat = [p for ls in leaves for p in ls]
     got = iter(torch.autograd.grad(loss, flat)) if flat else iter(())
-    grads = []
+    grads: list[torch.Tensor | None] = []
     for m, ls in zip(layers, leaves, strict=True):
-        grads += ([next(got), next(got)] if ls else
-                  [torch.zeros_like(m.weight), torch.zeros_like(m.bias)])
+        grads += ([next(got), None if m.bias is None else next(got)] if ls else
+                  _zero_grads(m))
     return loss.item(), grads
+
+
+def _check_widths(widths: Sequence[int]) -> list[int]:
+    if isinstance(widths, str) or not isinstance(widths, Sequence):
+        raise TypeError(f"widths must be a sequence of ints, got {widths!r}")
+    if len(widths) < 2:
+        raise ValueError(f"widths must list at least an input and an output width, got "
+                         f"{list(widths)}")
+    return [check_int("widths[i]", w, lo=1) for w in widths]
 
 
 def backward_flops(widths: Sequence[int], batch: int, active: Sequence[int]) -> int:
@@ -230,7 +288,7 @@ def backward_flops(widths: Sequence[int], batch: int, active: Sequence[int]) -> 
     gradient plus ``2 B m_l n_l`` for the input gradient if some layer below has an active
     neuron (never for the first layer). Bias gradients are sums, not matmuls: not counted.
     All active gives plain backprop's ``sum_l 2 B m_l n_l (1 + [l > 0])``."""
-    widths = [check_int("widths[i]", w, lo=1) for w in widths]
+    widths = _check_widths(widths)
     batch = check_int("batch", batch, lo=1)
     if len(active) != len(widths) - 1:
         raise ValueError(f"active needs {len(widths) - 1} counts, got {len(active)}")
@@ -248,12 +306,12 @@ def count_backward_flops(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor,
     outside the counter) of :func:`masked_backward` (``skip=True``) or of the reference."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    _check_active(model, active)
+    _check_xy(_check_active(model, active), x, y)
     if check_bool("skip", skip):
         out, leaves = _masked_forward(model, x, active)
         flat = [p for ls in leaves for p in ls]
     else:
-        out, flat = model(x), list(model.parameters())
+        out, flat = model(x), [p for p in model.parameters() if p.requires_grad]
     loss = F.cross_entropy(out, y)
     with FlopCounterMode(display=False) as counter:
         if flat:
@@ -270,7 +328,7 @@ def allreduce_bytes(widths: Sequence[int], active: Sequence[int], *, world_size:
     subset), so the ranks agree on which rows to send without a message."""
     from parlearn.distributed.cost import ring_bytes
 
-    widths = [check_int("widths[i]", w, lo=1) for w in widths]
+    widths = _check_widths(widths)
     if len(active) != len(widths) - 1:
         raise ValueError(f"active needs {len(widths) - 1} counts, got {len(active)}")
     world_size = check_int("world_size", world_size, lo=2)
@@ -293,7 +351,8 @@ class NEqRun:
     depends only on the masks and that size), ``flops_full`` those of plain backprop on
     the same minibatches (from :func:`backward_flops`); ``velocity[e]``: per layer, after
     epoch ``e``; ``accuracy``: of ``evaluate`` after each epoch (empty without it);
-    ``momentum``: the SGD momentum buffers at the end, ``[W_0, b_0, W_1, ...]``."""
+    ``momentum``: the SGD momentum buffers at the end, ``[W_0, b_0, W_1, ...]`` (None for a
+    missing bias and for a wholly frozen layer, which never steps)."""
 
     model: nn.Sequential
     frozen: list[list[float]] = field(default_factory=list)
@@ -334,10 +393,11 @@ def train(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, x_val: torch.T
     after every epoch the equilibrium test on the validation inputs ``x_val``. Epoch 1
     trains every neuron. ``skip`` picks :func:`masked_backward` (True) or
     :func:`reference_backward`. ``eps = 0`` freezes nothing: plain training."""
-    linear_layers(model)  # checks the model before any work
-    x = check_tensor("x", x, ndim=2, floating=True)
-    y = check_tensor("y", y, shape=(x.shape[0],), floating=False)
+    _check_xy(linear_layers(model), x, y)  # checks the model before any work
     x_val = check_tensor("x_val", x_val, shape=(None, x.shape[1]), floating=True)
+    if x_val.shape[0] == 0:
+        # No validation outputs: every phi would be 1 and every neuron frozen from epoch 2.
+        raise ValueError("x_val must hold at least one example, got 0 rows")
     epochs = check_int("epochs", epochs, lo=1)
     eps, mu = check_float("eps", eps, lo=0), check_float("mu", mu, lo=0, hi=1)
     lr = check_float("lr", lr, lo=0, lo_open=True)
@@ -354,7 +414,7 @@ def train(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, x_val: torch.T
     run = NEqRun(net)
     backward = masked_backward if skip else reference_backward
     for epoch in range(epochs):
-        active = state.active
+        active = _effective(layers, state.active)
         run.frozen.append([1 - a.double().mean().item() for a in active])
         run.frozen_total.append(1 - sum(int(a.sum()) for a in active) / sum(widths[1:]))
         flops = full = 0
@@ -373,6 +433,8 @@ def train(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, x_val: torch.T
             with torch.no_grad():
                 params = [p for m in layers for p in (m.weight, m.bias)]
                 for j, (p, g) in enumerate(zip(params, grads, strict=True)):
+                    if p is None or not p.requires_grad:  # no bias; a frozen layer
+                        continue
                     bufs[j] = _sgd_rows(p, g, bufs[j], active[j // 2], lr=lr,
                                         momentum=momentum, weight_decay=weight_decay)
         state.update(_layer_outputs(net, x_val))

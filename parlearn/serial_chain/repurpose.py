@@ -97,7 +97,8 @@ def digits_mlp(hidden: int = 64, depth: int = 3, steps: int = 300, lr: float = 0
 
 
 def linears(net: nn.Module) -> list[nn.Linear]:
-    """The Linear layers of ``net``, which must be ``Linear, ReLU, ..., Linear`` (>= 2)."""
+    """The Linear layers of ``net``, which must be ``Linear, ReLU, ..., Linear`` (>= 2), each
+    with a bias (the refit solves for it), all of one floating dtype."""
     check_module("net", net)
     mods = list(net.children()) if isinstance(net, nn.Sequential) else []
     ok = (len(mods) >= 3 and len(mods) % 2 == 1
@@ -106,7 +107,24 @@ def linears(net: nn.Module) -> list[nn.Linear]:
     if not ok:
         raise TypeError("net must be an nn.Sequential of Linear, ReLU, ..., Linear "
                         f"with at least two Linear layers, got {net!r}")
+    for i, m in enumerate(mods[::2]):
+        if m.bias is None:
+            raise ValueError(f"net[{2 * i}] is a Linear without bias: restructuring and "
+                             "refitting here solve for each neuron's bias")
+    dtypes = {m.weight.dtype for m in mods[::2]}
+    if len(dtypes) != 1:
+        raise TypeError(f"net's Linear layers must share one dtype, got "
+                        f"{sorted(map(str, dtypes))}")
     return mods[::2]
+
+
+def _check_x(name: str, x: torch.Tensor, lins: list[nn.Linear]) -> torch.Tensor:
+    check_tensor(name, x, shape=(None, lins[0].in_features), floating=True)
+    if x.dtype != lins[0].weight.dtype:
+        raise TypeError(f"{name} must have the net's dtype {lins[0].weight.dtype}, got {x.dtype}")
+    if x.shape[0] == 0:
+        raise ValueError(f"{name} must hold at least one row, got 0")
+    return x
 
 
 @torch.no_grad()
@@ -130,7 +148,7 @@ def calibration_energy(net: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     """``E[h_i^2]`` over the rows of ``x`` for the input of every Linear of ``net``
     (entry 0 is the input, entry ``l`` hidden layer ``l``'s activation)."""
     lins = linears(net)
-    check_tensor("x", x, ndim=2, floating=True)
+    _check_x("x", x, lins)
     out, h = [], x
     for i, lin in enumerate(lins):
         out.append((h ** 2).mean(0))
@@ -149,7 +167,9 @@ def _cross(groups_out: torch.Tensor, groups_in: torch.Tensor) -> torch.Tensor:
 def _saliency(net: nn.Module, energy: list[torch.Tensor]) -> list[torch.Tensor]:
     """``W[j, i]^2 E[x_i^2]`` for every hidden-to-hidden matrix (layers 1 .. L-2)."""
     lins = linears(net)
-    return [lins[l].weight.detach() ** 2 * energy[l][None, :] for l in range(1, len(lins) - 1)]
+    # float64 whatever the net's dtype: the assignment's costs are sums of many small terms.
+    return [lins[l].weight.detach().double() ** 2 * energy[l].double()[None, :]
+            for l in range(1, len(lins) - 1)]
 
 
 def off_block_mass(net: nn.Module, k: int, energy: list[torch.Tensor] | None = None,
@@ -246,7 +266,7 @@ def prune_and_refit(net: nn.Module, k: int, x_calib: torch.Tensor, prune: float,
     refit = check_bool("refit", refit)
     out = copy.deepcopy(net)
     new = linears(out)
-    h_ref = h_new = check_tensor("x_calib", x_calib, ndim=2, floating=True)
+    h_ref = h_new = _check_x("x_calib", x_calib, lins)
     for l in range(len(lins)):
         z_ref = lins[l](h_ref)
         if 0 < l < len(lins) - 1:
@@ -255,7 +275,7 @@ def prune_and_refit(net: nn.Module, k: int, x_calib: torch.Tensor, prune: float,
             n_out, n_in = w.shape
             src, dst = _blocks(n_in, k), _blocks(n_out, k)
             # mass[i, b]: what message (i -> worker b) carries; own-group entries never cut
-            mass = (F.one_hot(dst, k).double().T @ (w ** 2)).T * e[:, None]
+            mass = (F.one_hot(dst, k).double().T @ (w.double() ** 2)).T * e.double()[:, None]
             own = F.one_hot(src, k).bool()
             cand = (~own).nonzero()
             n_drop = int(round(prune * len(cand)))

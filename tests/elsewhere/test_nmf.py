@@ -5,6 +5,8 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sklearn.decomposition import NMF
 from sklearn.exceptions import ConvergenceWarning
 
@@ -104,3 +106,49 @@ def test_bad_input_is_refused():
         nmf.nmf(v, init=(w, h[:, :5]))
     with pytest.raises(TypeError, match="v must be a floating"):
         nmf.nmf(v.long(), 3)
+
+
+@st.composite
+def _with_zero_lines(draw):
+    """Nonnegative V (float64) with some all-zero rows and columns (possibly all of them)."""
+    f, n = draw(st.integers(1, 7)), draw(st.integers(1, 7))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    v = torch.rand(f, n, generator=g, dtype=torch.float64)
+    rows = draw(st.lists(st.integers(0, f - 1), max_size=f))
+    cols = draw(st.lists(st.integers(0, n - 1), max_size=n))
+    v[rows] = 0
+    v[:, cols] = 0
+    return v, draw(st.integers(1, 4)), draw(st.booleans())
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=_with_zero_lines())
+def test_zero_rows_and_columns_stay_finite_and_monotone(case):
+    """An all-zero row of V zeroes a row of W after one step, and then that row's
+    denominator is 0: the update must keep it 0 (as scikit-learn does), never NaN."""
+    v, k, update_w = case
+    w0, h0 = nmf.random_init(v, k, seed=1)
+    out = nmf.nmf(v, init=(w0, h0), steps=12, update_w=update_w)
+    hist = np.array(out["objective"])
+    assert np.isfinite(hist).all(), hist
+    assert torch.isfinite(out["w"]).all() and torch.isfinite(out["h"]).all()
+    assert (np.diff(hist) <= 1e-12 * max(hist[0], 1.0)).all(), np.diff(hist).max()
+
+
+def test_zero_row_and_column_equal_scikit_learn():
+    v = _data(8, 9)
+    v[2] = 0
+    v[:, 5] = 0
+    w0, h0 = nmf.random_init(v, 3, seed=0)
+    ours = nmf.nmf(v, init=(w0, h0), steps=30)
+    sk = NMF(3, init="custom", solver="mu", beta_loss="frobenius", max_iter=30, tol=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        w_sk = sk.fit_transform(v.numpy(), W=w0.numpy().copy(), H=h0.numpy().copy())
+    assert torch.isfinite(ours["w"]).all()
+    assert np.allclose(ours["w"].numpy(), w_sk, rtol=1e-5, atol=1e-9)
+    assert np.allclose(ours["h"].numpy(), sk.components_, rtol=1e-5, atol=1e-9)
+    par = nmf.mu_step(v, ours["w"], ours["h"])
+    ser = nmf.mu_step_loop(v, ours["w"], ours["h"])
+    for a, b in zip(par, ser, strict=True):
+        assert torch.allclose(a, b, rtol=1e-12, atol=0)

@@ -216,3 +216,43 @@ def test_tsoft_bad_input():
         V.tsoft_update(t, t, V.tsoft_init(t, 0.1), 0.1, 0.0)
     with pytest.raises(ValueError, match="tau"):
         V.tsoft_init(t, 1.0)
+
+
+@pytest.mark.parametrize("bad", [-1, 2, 7])
+def test_ebu_refuses_actions_out_of_range(bad):
+    """Action -1 used to index the last action (Python wraps it); A or beyond crashed the
+    batched version with an indexing error: both refuse, naming actions."""
+    q = torch.tensor([[1.0, 2.0], [0.0, 4.0], [9.0, 9.0]], dtype=F64)
+    r = torch.tensor([1.0, 0.0, 2.0], dtype=F64)
+    for pos in (0, 1, 2):
+        a = torch.tensor([0, 0, 1])
+        a[pos] = bad
+        with pytest.raises(ValueError, match="actions"):
+            V.ebu_targets_loop(q, a, r, True, beta=0.5, gamma=0.9)
+        with pytest.raises(ValueError, match="actions"):
+            V.ebu_targets(q[None], a[None], r[None], torch.tensor([True]), torch.tensor([3]),
+                          0.5, 0.9)
+
+
+def test_one_step_targets_refuse_broadcasting():
+    q = torch.ones(4, 3, dtype=F64)
+    r, done = torch.ones(4, dtype=F64), torch.zeros(4, dtype=torch.bool)
+    torch.testing.assert_close(V.one_step_targets(q, r, done, 0.5), torch.full((4,), 1.5,
+                                                                              dtype=F64))
+    with pytest.raises(ValueError, match="rewards"):
+        V.one_step_targets(q, torch.ones(1, dtype=F64), done, 0.5)
+    with pytest.raises(ValueError, match="done"):
+        V.one_step_targets(q, r, torch.zeros(4, 1, dtype=torch.bool), 0.5)
+    with pytest.raises(TypeError, match="done"):
+        V.one_step_targets(q, r, torch.zeros(4), 0.5)
+
+
+def test_target_updates_refuse_mismatched_shapes():
+    """add_ would broadcast a (3,) online tensor into a (2, 3) target without a word."""
+    target, online = [torch.zeros(2, 3, dtype=F64)], [torch.ones(3, dtype=F64)]
+    with pytest.raises(ValueError, match=r"online\[0\]"):
+        V.ema_update(target, online, 0.5)
+    state = V.tsoft_init(target, 0.5)
+    with pytest.raises(ValueError, match=r"online\[0\]"):
+        V.tsoft_update(target, online, state, 0.5, 1.0)
+    assert not target[0].any()

@@ -4,6 +4,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import zoo
 from torch import nn
 
 from parlearn.core import datasets, device
@@ -612,3 +613,32 @@ def test_refuses_batchnorm_in_train_mode():
     assert all(p.grad is None for p in model.parameters())  # refused before any work
     model.eval()
     dither.parallel_grad(model, F, x, y, copies=2)
+
+
+# --- the users' model zoo ------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 7])
+@pytest.mark.parametrize("name,dtype", zoo.cases(names=[m for m in zoo.ZOO if m != "batchnorm"]))
+def test_zoo_parallel_grad_equals_sequential(name, dtype, n):
+    """On every zoo model it accepts, the batched copies' gradient equals the loop over
+    copies (same noise); a frozen parameter gets no .grad; the global RNG is not used."""
+    a, b = zoo.build(name, dtype), zoo.build(name, dtype)
+    x, y = zoo.batch(n, dtype)
+    noise = dither.draw_noise(x, 3, dither="gaussian", scale=0.1,
+                              generator=torch.Generator().manual_seed(0))
+    with zoo.kept_state():
+        la = dither.parallel_grad(a, nn.functional.cross_entropy, x, y, copies=3, noise=noise)
+        lb = dither.sequential_grad(b, nn.functional.cross_entropy, x, y, noise=noise)
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-6)
+    assert la == pytest.approx(lb, rel=tol["rtol"])
+    for (k, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None) == (not p.requires_grad), k
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, **tol, msg=k)
+
+
+def test_zoo_batchnorm_refused_up_front():
+    x, y = zoo.batch(7)
+    with pytest.raises(ValueError, match="BatchNorm"):
+        dither.parallel_grad(zoo.build("batchnorm"), nn.functional.cross_entropy, x, y, copies=2,
+                             dither="gaussian", scale=0.1)

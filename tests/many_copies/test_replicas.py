@@ -2,6 +2,7 @@ import copy
 
 import pytest
 import torch
+import zoo
 
 from parlearn.core import datasets, device
 from parlearn.many_copies import replicas as rp
@@ -231,3 +232,54 @@ def test_bench_rows(data):
     rows = rp.bench(torch.device("cpu"), True)
     assert [r.benchmark for r in rows] == ["replicas R=8", "replicas R=64"]
     assert all(r.ratio > 0 for r in rows)
+
+
+# --- the users' model zoo ---------------------------------------------------------------------
+
+def _zoo_replicas(name: str, dtype: torch.dtype, r: int = 3) -> list[torch.nn.Module]:
+    return [zoo.build(name, dtype, seed=s) for s in range(r)]
+
+
+@pytest.mark.parametrize("name,dtype", zoo.cases(names=[n for n in zoo.ZOO if n != "batchnorm"]))
+def test_zoo_batched_equals_looped_and_frozen_never_moves(name, dtype):
+    """On every zoo model it accepts, the batched step equals the loop over models step by
+    step (prime and one-example batches), a frozen parameter never moves in either, and the
+    models' .grad, the global RNG and the thread count are left alone."""
+    models = _zoo_replicas(name, dtype)
+    base = copy.deepcopy(models[0])
+    params, buffers = rp.stack(models)
+    before = [zoo.frozen(m) for m in models]
+    tol = dict(rtol=0, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    with zoo.kept_state(base, *models):
+        for step, n in enumerate(zoo.BATCHES):
+            x, y = zoo.batch(n, dtype, seed=step)
+            new = rp.sgd_step_batched(base, params, buffers, x, y, 0.3)
+            rp.sgd_step_looped(models, x, y, 0.3)
+            assert any(not torch.equal(new[k], params[k]) for k in new)  # it did train
+            params = new
+            ref, _ = rp.stack(models)
+            for k in ref:
+                torch.testing.assert_close(params[k], ref[k], **tol)
+    for m, b in zip(models, before, strict=True):
+        zoo.assert_frozen_unmoved(m, b)
+    stacked_before = {k: torch.stack([b[k] for b in before]) for k in before[0]}
+    for k, v in stacked_before.items():
+        assert torch.equal(params[k], v), f"batched step moved frozen {k}"
+
+
+def test_zoo_batchnorm_refused_in_training_mode_and_equal_in_eval_mode():
+    models = _zoo_replicas("batchnorm", torch.float64)
+    base = copy.deepcopy(models[0])
+    params, buffers = rp.stack(models)
+    x, y = zoo.batch(7)
+    with pytest.raises(ValueError, match="BatchNorm1d"):
+        rp.sgd_step_batched(base, params, buffers, x, y, 0.1)
+    with pytest.raises(ValueError, match="BatchNorm1d"):
+        rp.sgd_step_looped(models, x, y, 0.1)
+    for m in (base, *models):
+        m.eval()
+    params = rp.sgd_step_batched(base, params, buffers, x, y, 0.1)
+    rp.sgd_step_looped(models, x, y, 0.1)
+    ref, _ = rp.stack(models)
+    for k in ref:
+        torch.testing.assert_close(params[k], ref[k], rtol=0, atol=1e-12)

@@ -3,6 +3,7 @@ import threading
 
 import pytest
 import torch
+import zoo
 from torch import nn
 
 from parlearn.core import device
@@ -466,3 +467,36 @@ def test_cost_model():
     assert two["speedup"] == pytest.approx((2 * L - 1) / L)  # already at the cap at k = 2
     narrow = leapfrog.cost_model(64, 2, 8, 16, "segments")
     assert narrow["speedup"] > 1  # very narrow layers: chain splitting can pay
+
+
+# --- the users' model zoo ------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["leapfrog", "segments"])
+@pytest.mark.parametrize("name,dtype", zoo.cases(names=[n for n in zoo.ZOO if n != "conv"]))
+def test_zoo_grad_equals_autograd(name, dtype, mode):
+    """Every chain-shaped zoo model (frozen, tied, bias-free, LayerNorm, BatchNorm in train
+    mode, other activations): the schedule's .grad equals torch's backward (a frozen
+    parameter gets none), and the global RNG and thread count are left alone. Segments
+    refuses BatchNorm in train mode up front."""
+    model, ref = zoo.build(name, dtype), zoo.build(name, dtype)
+    x, y = zoo.batch(7, dtype)
+    if mode == "segments" and name == "batchnorm":
+        with pytest.raises(ValueError, match="BatchNorm"):
+            leapfrog.grad(model, nn.functional.cross_entropy, x, y, workers=2, mode=mode)
+        return
+    nn.functional.cross_entropy(ref(x), y).backward()
+    with zoo.kept_state():
+        leapfrog.grad(model, nn.functional.cross_entropy, x, y, workers=2, mode=mode)
+    tol = dict(rtol=0, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), n
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, **tol, msg=n)
+    for b, c in zip(model.buffers(), ref.buffers(), strict=True):
+        torch.testing.assert_close(b, c, **tol)
+
+
+def test_zoo_conv_model_refused_naming_the_layer():
+    x, y = zoo.batch(7)
+    with pytest.raises(ValueError, match="Unflatten"):
+        leapfrog.grad(zoo.build("conv"), nn.functional.cross_entropy, x, y)

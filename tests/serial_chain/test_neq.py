@@ -4,6 +4,7 @@ reference, frozen rows untouched, eps = 0 is plain training, counted FLOPs = the
 import pytest
 import torch
 import torch.nn.functional as F
+import zoo
 
 from parlearn.core.models import mlp
 from parlearn.serial_chain import neq
@@ -202,3 +203,91 @@ def test_bad_input_fails_fast():
         neq.masked_backward(net, x, y, [torch.ones(4, dtype=torch.bool), torch.ones(3)])
     with pytest.raises(ValueError, match=r"active\[i\]"):
         neq.backward_flops([6, 4, 3], 8, [5, 1])
+
+
+# --- the users' model zoo ------------------------------------------------------------------
+
+NEQ_ZOO = ["relu", "gelu", "tanh", "silu", "no_bias", "frozen", "layernorm_no_affine"]
+NEQ_REFUSED = {"tied": (ValueError, "tied"), "layernorm": (TypeError, "LayerNorm"),
+               "batchnorm": (TypeError, "BatchNorm1d"), "conv": (TypeError, "Conv2d")}
+
+
+@pytest.mark.parametrize("name,dtype", zoo.cases(names=NEQ_ZOO))
+def test_zoo_eps_zero_equals_torch_sgd_and_frozen_never_moves(name, dtype):
+    """eps = 0 is plain SGD: equal to torch.optim.SGD on the same minibatches (prime size 7,
+    a last minibatch of 1) for every zoo model NEq accepts; a frozen layer never moves."""
+    model = zoo.build(name, dtype)
+    x, y = zoo.batch(15, dtype)
+    with zoo.kept_state(model):
+        run = neq.train(model, x, y, x[:5], epochs=2, eps=0.0, lr=0.1, momentum=0.9,
+                        weight_decay=1e-3, batch=7, seed=4)
+    ref = zoo.build(name, dtype)
+    before = zoo.frozen(ref)
+    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1,
+                          momentum=0.9, weight_decay=1e-3, foreach=False)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        for idx in torch.randperm(len(x), generator=gen).split(7):
+            opt.zero_grad()
+            F.cross_entropy(ref(x[idx]), y[idx]).backward()
+            opt.step()
+    tol = dict(rtol=0, atol=0) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    for (n, p), q in zip(run.model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, **tol, msg=n)
+    zoo.assert_frozen_unmoved(run.model, before)
+    if name == "frozen":
+        assert all(f[0] == 1.0 for f in run.frozen)  # reported as frozen, every epoch
+
+
+@pytest.mark.parametrize("name", NEQ_ZOO)
+def test_zoo_masked_backward_equals_reference(name):
+    model = zoo.build(name, torch.float64)
+    x, y = zoo.batch(13)
+    layers = neq.linear_layers(model)
+    g = torch.Generator().manual_seed(0)
+    active = [torch.rand(m.out_features, generator=g) < 0.5 for m in layers]
+    with zoo.kept_state(model):
+        la, ga = neq.masked_backward(model, x, y, active)
+        lb, gb = neq.reference_backward(model, x, y, active)
+    assert la == pytest.approx(lb, rel=1e-12)
+    for a, b in zip(ga, gb, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    if name == "frozen":
+        assert not ga[0].any() and not ga[1].any()
+    if name == "no_bias":
+        assert ga[1] is None
+
+
+@pytest.mark.parametrize("name,dtype", zoo.cases(dtypes=(torch.float64,), names=NEQ_ZOO))
+def test_zoo_training_with_freezing_skip_equals_reference(name, dtype):
+    model = zoo.build(name, dtype)
+    x, y = zoo.batch(13, dtype)
+    before = zoo.frozen(model)
+    kw = dict(epochs=3, eps=0.05, mu=0.5, lr=0.2, momentum=0.5, batch=7)
+    with zoo.kept_state(model):
+        a = neq.train(model, x, y, x[:7], skip=True, **kw)
+        b = neq.train(model, x, y, x[:7], skip=False, **kw)
+    assert a.frozen == b.frozen
+    for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
+    zoo.assert_frozen_unmoved(a.model, before)
+
+
+@pytest.mark.parametrize("name", sorted(NEQ_REFUSED))
+def test_zoo_models_neq_cannot_handle_are_refused_up_front(name):
+    kind, what = NEQ_REFUSED[name]
+    x, y = zoo.batch(7)
+    with pytest.raises(kind, match=what):
+        neq.train(zoo.build(name), x, y, x, epochs=1, eps=0.1)
+
+
+def test_empty_validation_set_is_refused():
+    """With no validation outputs every phi is 1 and every neuron would freeze silently."""
+    net = mlp([6, 4, 3], seed=0, dtype=torch.float64)
+    x, y = _data(n=10, classes=3)
+    with pytest.raises(ValueError, match="x_val"):
+        neq.train(net, x, y, x[:0], epochs=2, eps=0.1)
+    with pytest.raises(ValueError, match="x"):
+        neq.train(net, x[:0], y[:0], x, epochs=2, eps=0.1)

@@ -4,6 +4,7 @@ fits worse than plain pruning, and bytes counted by the ledger equal the byte mo
 
 import pytest
 import torch
+import zoo
 from torch import nn
 
 from parlearn.core.device import threads
@@ -172,3 +173,41 @@ def test_bad_input_fails_fast():
         rp.permute(net, [torch.zeros(8, dtype=torch.long), torch.arange(8)])
     with pytest.raises(ValueError, match="x must have 2"):
         rp.split_inference(net, 2, torch.zeros(3, dtype=torch.float64))
+
+
+# --- the users' model zoo ------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,dtype", zoo.cases(names=["relu", "frozen"]))
+def test_zoo_restructure_and_prune_keep_the_function(name, dtype):
+    """Linear-ReLU nets from the zoo, float32 as well as float64 (float32 used to fail on a
+    float64 one-hot): the restructured net computes the same function, and pruning nothing
+    keeps it too; the user's net is left as it was."""
+    net = zoo.build(name, dtype)
+    x, _ = zoo.batch(13, dtype)
+    saved = [p.clone() for p in net.parameters()]
+    with zoo.kept_state(net):
+        out, history = rp.restructure(net, 2, x, sweeps=1, restarts=2)
+        same = rp.prune_and_refit(out, 2, x, 0.0)
+        pruned = rp.prune_and_refit(out, 2, x, 0.5)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out(x), net(x), **tol)
+    torch.testing.assert_close(same(x), net(x), **tol)
+    assert all(torch.isfinite(p).all() for p in pruned.parameters())
+    assert history[-1] <= history[0]
+    assert all(torch.equal(p, s) for p, s in zip(net.parameters(), saved, strict=True))
+
+
+@pytest.mark.parametrize("name", [n for n in zoo.ZOO if n not in ("relu", "frozen")])
+def test_zoo_nets_repurpose_cannot_handle_are_refused_up_front(name):
+    x, _ = zoo.batch(7)
+    with pytest.raises((TypeError, ValueError), match="net"):
+        rp.restructure(zoo.build(name), 2, x)
+
+
+def test_calibration_refuses_a_dtype_other_than_the_nets():
+    net = zoo.build("relu", torch.float32)
+    x, _ = zoo.batch(7, torch.float64)
+    with pytest.raises(TypeError, match="x"):
+        rp.calibration_energy(net, x)
+    with pytest.raises(TypeError, match="x_calib"):
+        rp.prune_and_refit(net, 2, x, 0.5)

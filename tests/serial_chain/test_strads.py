@@ -227,3 +227,40 @@ def test_warm_start_at_the_optimum_stays_there(problem):
     assert abs(st.relative_gap(run.objective[0], f_star)) < 1e-12
     assert abs(st.relative_gap(run.objective[-1], f_star)) < 1e-9
     assert torch.equal(w_star, before) and run.w is not w_star      # w0 itself is not modified
+
+
+def test_schedules_refuse_workers_and_rho_out_of_range():
+    """workers = 0 kept nothing (an empty round), rho = 0 or 1.5 is no correlation bound,
+    workers > d was silently cut to d, a negative coordinate wrapped to the last one."""
+    corr = torch.eye(6, dtype=torch.float64)
+    cand = torch.arange(6)
+    g = torch.Generator().manual_seed(0)
+    last = torch.ones(6, dtype=torch.float64)
+    for workers in (0, -1):
+        with pytest.raises(ValueError, match="workers"):
+            st.dependency_filter(cand, corr, 0.5, workers)
+        with pytest.raises(ValueError, match="workers"):
+            st.strads_schedule(last, corr, workers, rho=0.5, floor=1e-6, candidates=4, gen=g)
+        with pytest.raises(ValueError, match="workers"):
+            st.shotgun_schedule(6, workers, g)
+    for rho in (0.0, 1.5, -0.1, math.nan):
+        with pytest.raises(ValueError, match="rho"):
+            st.dependency_filter(cand, corr, rho, 2)
+        with pytest.raises(ValueError, match="rho"):
+            st.strads_schedule(last, corr, 2, rho=rho, floor=1e-6, candidates=4, gen=g)
+    with pytest.raises(TypeError, match="workers"):
+        st.dependency_filter(cand, corr, 0.5, True)
+    with pytest.raises(ValueError, match="workers"):
+        st.shotgun_schedule(6, 7, g)
+    with pytest.raises(ValueError, match="candidates"):
+        st.dependency_filter(torch.tensor([0, -1]), corr, 0.5, 2)
+    with pytest.raises(ValueError, match="candidates"):
+        st.strads_schedule(last, corr, 3, rho=0.5, floor=1e-6, candidates=2, gen=g)
+    x, y, _ = st.correlated_design(20, 6, groups=2, k_true=3, seed=0)
+    with pytest.raises(ValueError, match=r"replay\[1\]"):
+        st.solve(x, y, ALPHA, rounds=2, replay=[[0], [-1]])
+    with pytest.raises(ValueError, match="workers"):
+        st.solve(x, y, ALPHA, workers=7, schedule="shotgun")
+    # The legal edges still run: rho = 1 and workers = d.
+    assert len(st.dependency_filter(cand, corr, 1.0, 6)) == 6
+    assert sorted(st.shotgun_schedule(6, 6, g).tolist()) == list(range(6))

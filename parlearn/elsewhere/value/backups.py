@@ -41,11 +41,24 @@ def one_step_targets(q_next: torch.Tensor, rewards: torch.Tensor, done: torch.Te
     the transition terminated (a time-out is not done: it is bootstrapped).
     """
     q_next = check_tensor("q_next", q_next, floating=True)
+    if q_next.dim() == 0 or q_next.shape[-1] == 0:
+        raise ValueError(f"q_next must end in an axis of A >= 1 actions, got shape "
+                         f"{tuple(q_next.shape)}")
+    batch = tuple(q_next.shape[:-1])
+    rewards = check_tensor("rewards", rewards, shape=batch, floating=True)
+    done = check_tensor("done", done, shape=batch, dtype=torch.bool)
     gamma = check_float("gamma", gamma, lo=0, hi=1)
     return rewards + gamma * (~done).to(q_next.dtype) * q_next.max(-1).values
 
 
 # --- Episodic Backward Update ---------------------------------------------------------------
+
+def _check_actions(actions: torch.Tensor, n_actions: int) -> None:
+    """Every action in ``[0, A)``: a negative index would wrap to the last action."""
+    if actions.numel() and (int(actions.min()) < 0 or int(actions.max()) >= n_actions):
+        raise ValueError(f"actions must lie in [0, {n_actions - 1}], got values from "
+                         f"{int(actions.min())} to {int(actions.max())}")
+
 
 def _check_beta_gamma(beta: float, gamma: float) -> tuple[float, float]:
     return check_float("beta", beta, lo=0, hi=1), check_float("gamma", gamma, lo=0, hi=1)
@@ -69,12 +82,17 @@ def ebu_targets_loop(q_next: torch.Tensor, actions: torch.Tensor, rewards: torch
     """
     q_next = check_tensor("q_next", q_next, ndim=2, floating=True)
     T = q_next.shape[0]
+    if T == 0:
+        raise ValueError("q_next must hold at least one transition, got T = 0")
     actions = check_tensor("actions", actions, shape=(T,), floating=False)
     rewards = check_tensor("rewards", rewards, shape=(T,), floating=True)
     terminal = check_bool("terminal", terminal)
     beta, gamma = _check_beta_gamma(beta, gamma)
     if T == 0:
         raise ValueError("q_next must hold at least one transition, got T = 0")
+    if q_next.shape[1] == 0:
+        raise ValueError("q_next must hold at least one action, got A = 0")
+    _check_actions(actions, q_next.shape[1])
     qt = q_next.clone()
     y = torch.empty(T, dtype=q_next.dtype, device=q_next.device)
     y[T - 1] = rewards[T - 1] + (0.0 if terminal else gamma * qt[T - 1].max())
@@ -105,6 +123,9 @@ def ebu_targets(q_next: torch.Tensor, actions: torch.Tensor, rewards: torch.Tens
     beta, gamma = _check_beta_gamma(beta, gamma)
     if B and (int(lengths.min()) < 1 or int(lengths.max()) > L):
         raise ValueError(f"lengths must lie in [1, {L}], got {lengths.tolist()}")
+    if A == 0:
+        raise ValueError("q_next must hold at least one action, got A = 0")
+    _check_actions(actions, A)
     dt, dev = q_next.dtype, q_next.device
     # Every mask is built once, before the sweep: step k's body is then three small ops.
     steps = torch.arange(L, device=dev)[None, :]
@@ -126,7 +147,6 @@ def ebu_targets(q_next: torch.Tensor, actions: torch.Tensor, rewards: torch.Tens
         ys.append(y_next)
     y = torch.stack(ys[::-1], dim=1)
     return torch.where(valid, y, torch.zeros_like(y))
-    return y
 
 
 def pad_episodes(episodes: Sequence[dict]) -> dict:
@@ -215,10 +235,25 @@ def ls_last_layer_closed_form(features: torch.Tensor, actions: torch.Tensor,
 
 # --- target-network updates: EMA and t-soft --------------------------------------------------
 
+def _check_pairs(target, online) -> None:
+    """Two equally long sequences of tensors, pairwise of one shape and floating: ``add_``
+    would otherwise broadcast an online tensor into a larger target without a word."""
+    for name, seq in (("target", target), ("online", online)):
+        if isinstance(seq, torch.Tensor) or not isinstance(seq, Sequence):
+            raise TypeError(f"{name} must be a sequence of tensors, got {type(seq).__name__}")
+    if len(target) != len(online):
+        raise ValueError(f"target and online must hold as many tensors, got {len(target)} "
+                         f"and {len(online)}")
+    for i, (t, o) in enumerate(zip(target, online, strict=True)):
+        check_tensor(f"target[{i}]", t, floating=True)
+        check_tensor(f"online[{i}]", o, shape=tuple(t.shape), floating=True)
+
+
 @torch.no_grad()
 def ema_update(target: Sequence[torch.Tensor], online: Sequence[torch.Tensor],
                tau: float) -> None:
     """The soft update ``target <- (1 - tau) * target + tau * online``, in place."""
+    _check_pairs(target, online)
     tau = check_float("tau", tau, lo=0, hi=1, lo_open=True)
     for t, o in zip(target, online, strict=True):
         t.mul_(1 - tau).add_(o, alpha=tau)
@@ -239,6 +274,10 @@ def tsoft_init(target: Sequence[torch.Tensor], tau: float, eps: float = 1e-8) ->
     (the weight sum at which a weight of 1 gives exactly the rate ``tau``)."""
     tau = check_float("tau", tau, lo=0, hi=1, lo_open=True, hi_open=True)
     eps = check_float("eps", eps, lo=0, lo_open=True)
+    if isinstance(target, torch.Tensor) or not isinstance(target, Sequence):
+        raise TypeError(f"target must be a sequence of tensors, got {type(target).__name__}")
+    for i, t in enumerate(target):
+        check_tensor(f"target[{i}]", t, floating=True)
     n = len(target)
     return TSoftState([eps] * n, [(1 - tau) / tau] * n, [tau] * n)
 
@@ -258,8 +297,12 @@ def tsoft_update(target: Sequence[torch.Tensor], online: Sequence[torch.Tensor],
     weight and is copied slowly; as ``nu -> inf`` every ``w -> 1``, ``W`` stays at its
     fixed point ``(1 - tau) / tau`` and ``tau_t = tau``: the plain EMA.
     """
+    _check_pairs(target, online)
+    if not isinstance(state, TSoftState):
+        raise TypeError(f"state must be a TSoftState (tsoft_init), got {type(state).__name__}")
     tau = check_float("tau", tau, lo=0, hi=1, lo_open=True, hi_open=True)
     nu = check_float("nu", nu, lo=0, lo_open=True, finite=False)
+    eps = check_float("eps", eps, lo=0, lo_open=True)
     if len(state.W) != len(target):
         raise ValueError(f"state holds {len(state.W)} tensors, target {len(target)}")
     for i, (t, o) in enumerate(zip(target, online, strict=True)):

@@ -26,7 +26,13 @@ __all__ = ["smoothed_relu", "smoothed_relu_slope", "relu_spectrum"]
 def _check_curve_args(x, scale, noise) -> tuple[np.ndarray, float]:
     check_choice("noise", noise, NOISES)
     scale = check_float("scale", scale, lo=0.0, lo_open=True)
-    x = np.asarray(x, dtype=float)
+    if isinstance(x, str | bytes):
+        raise TypeError(f"x must be a number or an array of numbers, got {x!r}")
+    try:
+        x = np.asarray(x, dtype=float)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"x must be a number or an array of numbers, got "
+                        f"{type(x).__name__}") from err
     if not np.isfinite(x).all():
         raise ValueError("x must be finite")
     return x, scale

@@ -28,6 +28,7 @@ from parlearn.serial_chain.strads.solver import (
     LassoRun,
     _blocks,
     _check_common,
+    _check_plan,
     _Scheduler,
     check_problem,
     column_correlations,
@@ -109,8 +110,7 @@ def run_ranks(x: torch.Tensor, y: torch.Tensor, alpha: float, *, world_size: int
     if isinstance(seed, torch.Generator):
         raise TypeError("seed must be an int for run_ranks (a generator does not cross "
                         "processes)")
-    if replay is not None and len(replay) < rounds:
-        raise ValueError(f"replay must list at least rounds={rounds} rounds, got {len(replay)}")
+    _check_plan(workers, rounds, replay, x.shape[1])
     res = run(strads_rank, world_size, args=(x, y, alpha, workers, rounds, schedule, rho, floor,
                                              candidates, seed, replay), timeout=timeout)
     out, w0 = res[0]

@@ -26,6 +26,7 @@ differ only by the order of a few additions.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -85,12 +86,12 @@ def correlated_design(n: int, d: int, *, groups: int = 10, corr: float = 0.9,
 def check_problem(x, y, alpha) -> tuple[torch.Tensor, torch.Tensor, float]:
     """``(X, y, alpha)`` checked: ``X`` a 2-D float tensor with no zero column, ``y`` of
     length ``n`` and the same dtype, ``alpha > 0``."""
-    x = check_tensor("X", x, ndim=2, floating=True, finite=True)
+    x = check_tensor("x", x, ndim=2, floating=True, finite=True)
     y = check_tensor("y", y, shape=(x.shape[0],), floating=True, finite=True)
     if y.dtype != x.dtype:
         raise TypeError(f"y must have X's dtype {x.dtype}, got {y.dtype}")
     if bool((x.norm(dim=0) == 0).any()):
-        raise ValueError("X must have no all-zero column (its coordinate update divides by "
+        raise ValueError("x must have no all-zero column (its coordinate update divides by "
                          "|x_j|^2)")
     return x, y, check_float("alpha", alpha, lo=0, lo_open=True)
 
@@ -104,11 +105,17 @@ def objective(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, alpha: float) -
 
 def relative_gap(value: float, optimum: float) -> float:
     """``(F - F*) / |F*|``: how far above the optimum an objective value is."""
+    value = check_float("value", value)
+    optimum = check_float("optimum", optimum)
+    if optimum == 0:
+        raise ValueError("optimum must not be 0: the gap is relative to |optimum|")
     return (value - optimum) / abs(optimum)
 
 
 def soft_threshold(z: torch.Tensor, a: float) -> torch.Tensor:
     """``sign(z) max(|z| - a, 0)``, elementwise: the proximal map of ``a |.|``."""
+    check_tensor("z", z, floating=True)
+    a = check_float("a", a, lo=0)
     return torch.sign(z) * torch.clamp(z.abs() - a, min=0.0)
 
 
@@ -139,7 +146,11 @@ def column_correlations(gram: torch.Tensor) -> torch.Tensor:
     """``|x_j^T x_k| / (|x_j| |x_k|)`` from the Gram matrix ``X^T X``: the quantity the
     dependency filter compares with ``rho`` (for columns scaled to one length, as the
     paper assumes, it is ``|x_j^T x_k|`` up to that scale)."""
-    gram = check_tensor("gram", gram, ndim=2, floating=True)
+    gram = check_tensor("gram", gram, ndim=2, floating=True, finite=True)
+    if gram.shape[0] != gram.shape[1]:
+        raise ValueError(f"gram must be square (X^T X), got shape {tuple(gram.shape)}")
+    if bool((gram.diagonal() <= 0).any()):
+        raise ValueError("gram must have a positive diagonal (no all-zero column of X)")
     norm = gram.diagonal().sqrt()
     return (gram / norm[:, None] / norm[None, :]).abs()
 
@@ -147,6 +158,8 @@ def column_correlations(gram: torch.Tensor) -> torch.Tensor:
 def priorities(last_change: torch.Tensor, floor: float) -> torch.Tensor:
     """STRADS's sampling weights ``p_j = (delta w_j)^2 + floor``: coordinates that moved
     recently are likely to move again; the floor keeps every coordinate in play."""
+    check_tensor("last_change", last_change, ndim=1, floating=True, finite=True)
+    floor = check_float("floor", floor, lo=0, lo_open=True)
     return last_change.square() + floor
 
 
@@ -155,7 +168,15 @@ def dependency_filter(candidates: torch.Tensor, corr: torch.Tensor, rho: float,
     """Go through ``candidates`` in order and keep a coordinate when its correlation with
     every coordinate kept so far is below ``rho`` (``corr`` from
     :func:`column_correlations`); stop at ``workers`` kept. Greedy, so the first
-    candidate (the highest-priority draw) is always kept."""
+    candidate (the highest-priority draw) is always kept. ``rho`` in (0, 1] (a correlation;
+    at 1 only perfectly correlated pairs block each other), ``workers >= 1``."""
+    corr = check_tensor("corr", corr, ndim=2, floating=True, finite=True)
+    d = corr.shape[0]
+    if corr.shape != (d, d):
+        raise ValueError(f"corr must be square, got shape {tuple(corr.shape)}")
+    _check_coordinates("candidates", candidates, d)
+    rho = check_float("rho", rho, lo=0, hi=1, lo_open=True)
+    workers = check_int("workers", workers, lo=1)
     kept: list[int] = []
     # blocked[k]: some kept coordinate has correlation >= rho with k. One row per keep
     # instead of one scalar per pair: the check is O(workers d), not O(candidates workers).
@@ -178,19 +199,35 @@ def strads_schedule(last_change: torch.Tensor, corr: torch.Tensor, workers: int,
     RECONSTRUCTION of Lee et al. (2014) from the paper's description of its Lasso
     scheduler: the greedy order of the check and the default number of candidates are
     ours."""
+    priorities(last_change, floor)  # checks both
     d = last_change.shape[0]
+    corr = check_tensor("corr", corr, shape=(d, d), floating=True, finite=True)
+    workers = check_int("workers", workers, lo=1)
+    rho = check_float("rho", rho, lo=0, hi=1, lo_open=True)
+    candidates = check_int("candidates", candidates, lo=1)
+    if candidates < workers:
+        raise ValueError(f"candidates={candidates} must be at least workers={workers}")
+    if not isinstance(gen, torch.Generator):
+        raise TypeError(f"gen must be a torch.Generator, got {type(gen).__name__}")
     drawn = torch.multinomial(priorities(last_change, floor), min(candidates, d),
                               replacement=False, generator=gen)
     return dependency_filter(drawn, corr, rho, workers)
 
 
 def shotgun_schedule(d: int, workers: int, gen: torch.Generator) -> torch.Tensor:
-    """``workers`` distinct coordinates, uniformly: Shotgun's unscheduled parallel round."""
+    """``workers`` distinct coordinates, uniformly: Shotgun's unscheduled parallel round
+    (``1 <= workers <= d``: asking for more than ``d`` distinct ones is refused)."""
+    d = check_int("d", d, lo=1)
+    workers = check_int("workers", workers, lo=1, hi=d)
+    if not isinstance(gen, torch.Generator):
+        raise TypeError(f"gen must be a torch.Generator, got {type(gen).__name__}")
     return torch.randperm(d, generator=gen)[:workers]
 
 
 def cyclic_schedule(step: int, d: int) -> torch.Tensor:
     """Round ``step`` of cyclic coordinate descent updates coordinate ``step % d`` alone."""
+    step = check_int("step", step, lo=0)
+    d = check_int("d", d, lo=1)
     return torch.tensor([step % d], dtype=torch.long)
 
 
@@ -233,7 +270,47 @@ def round_update(z_sum: torch.Tensor, w_s: torch.Tensor, c_s: torch.Tensor, n: i
                  alpha: float) -> torch.Tensor:
     """New values of the round's coordinates from ``z_sum = X_S^T r`` (summed over every
     row): ``S(X_S^T r / n + c_S w_S, alpha) / c_S``, each as if it were the only one."""
+    z_sum = check_tensor("z_sum", z_sum, ndim=1, floating=True)
+    check_tensor("w_s", w_s, shape=tuple(z_sum.shape), floating=True)
+    check_tensor("c_s", c_s, shape=tuple(z_sum.shape), floating=True, finite=True)
+    if bool((c_s <= 0).any()):
+        raise ValueError("c_s must be positive (|x_j|^2 / n of a non-zero column)")
+    n = check_int("n", n, lo=1)
+    alpha = check_float("alpha", alpha, lo=0, lo_open=True)
     return soft_threshold(z_sum / n + c_s * w_s, alpha) / c_s
+
+
+def _check_coordinates(name: str, coords, d: int) -> torch.Tensor:
+    """A 1-D integer tensor of distinct coordinates in ``[0, d)`` (no negative index wraps)."""
+    coords = check_tensor(name, coords, ndim=1, floating=False)
+    if coords.numel() and (int(coords.min()) < 0 or int(coords.max()) >= d):
+        raise ValueError(f"{name} must lie in [0, {d - 1}], got {coords.tolist()}")
+    if coords.unique().numel() != coords.numel():
+        raise ValueError(f"{name} must be distinct coordinates, got {coords.tolist()}")
+    return coords
+
+
+def _check_plan(workers: int, rounds: int, replay, d: int) -> None:
+    """``workers <= d`` (distinct coordinates), and ``replay``, when given, lists at least
+    ``rounds`` rounds of distinct coordinates in ``[0, d)``: a negative one would wrap."""
+    if workers > d:
+        raise ValueError(f"workers must be at most d={d} (one coordinate each), got {workers}")
+    if replay is not None:
+        if len(replay) < rounds:
+            raise ValueError(f"replay must list at least rounds={rounds} rounds, got "
+                             f"{len(replay)}")
+        for t in range(rounds):
+            try:
+                coords = torch.as_tensor(replay[t], dtype=torch.long)
+            except (TypeError, ValueError, RuntimeError) as err:
+                raise TypeError(f"replay[{t}] must be a list of coordinates, got "
+                                f"{replay[t]!r}") from err
+            if any(isinstance(c, bool) or not isinstance(c, numbers.Integral)
+                   for c in replay[t]):
+                raise TypeError(f"replay[{t}] must hold ints, got {replay[t]!r}")
+            _check_coordinates(f"replay[{t}]", coords, d)
+            if coords.numel() == 0:
+                raise ValueError(f"replay[{t}] must name at least one coordinate")
 
 
 def _check_common(workers, rounds, schedule, rho, floor, candidates):
@@ -296,11 +373,10 @@ def solve(x: torch.Tensor, y: torch.Tensor, alpha: float, *, workers: int = 1,
                                                             floor, candidates)
     shards = check_int("shards", shards, lo=1, hi=x.shape[0])
     seed = check_seed("seed", seed)
-    if replay is not None and len(replay) < rounds:
-        raise ValueError(f"replay must list at least rounds={rounds} rounds, got {len(replay)}")
     n, d = x.shape
+    _check_plan(workers, rounds, replay, d)
     w = torch.zeros(d, dtype=x.dtype) if w0 is None else \
-        check_tensor("w0", w0, shape=(d,), dtype=x.dtype).clone()
+        check_tensor("w0", w0, shape=(d,), dtype=x.dtype, finite=True).clone()
     c = x.square().sum(0) / n
     corr = column_correlations(x.T @ x) if schedule == "strads" and replay is None else None
     sched = _Scheduler(schedule, d, workers, corr, rho, floor, candidates, seed, replay)
