@@ -89,8 +89,9 @@ class _ShortNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def find_spec(self, fullname, path=None, target=None):
         home = _home(fullname)
-        return None if home is None else importlib.util.spec_from_loader(
-            fullname, self, origin=home)
+        if home is None or importlib.util.find_spec(home) is None:
+            return None   # not a short name, or no such module at home: ModuleNotFoundError
+        return importlib.util.spec_from_loader(fullname, self, origin=home)
 
     def create_module(self, spec):
         module = importlib.import_module(spec.origin)

@@ -23,6 +23,8 @@ module           what it holds
 ``training``     what to train (:class:`Spec`), the serial ``torch.optim.Adam``
                  reference, the stages on real ranks (bytes sent, held, step times),
                  the bench rows
+``optimizer``    :class:`ShardedOptimizer`: ZeRO-1/2 around any torch optimizer, shaped
+                 like torch's ``ZeroRedundancyOptimizer`` (param groups, schedulers)
 ``engines``      the real engines: ``ZeroRedundancyOptimizer`` (stage 1), FSDP2 (stage 3)
 ``cost``         the memory and communication models of each stage (modeled)
 ``jax_update``   the same update in JAX with an explicit ``psum_scatter`` on fake devices
@@ -43,6 +45,7 @@ from parlearn.multi_device.sharding.cost import (
 )
 from parlearn.multi_device.sharding.engines import train_engine
 from parlearn.multi_device.sharding.jax_update import jax_sharded_adam, jax_sharded_adam_subprocess
+from parlearn.multi_device.sharding.optimizer import ShardedOptimizer, owners
 from parlearn.multi_device.sharding.training import (
     Spec,
     _worker_misuse,  # noqa: F401  (tests/multi_device/test_sharding.py runs it on real ranks)
@@ -67,4 +70,4 @@ __all__ = ["STAGES", "PRECISIONS", "FlatShard", "adam_update", "ShardedAdam", "m
            "measure_memory", "ledger_wire_bytes",
            "train_engine", "memory_model", "comm_model", "gpus_needed", "draw_stages", "step_times",
            "jax_sharded_adam",
-           "jax_sharded_adam_subprocess", "bench"]
+           "jax_sharded_adam_subprocess", "bench", "ShardedOptimizer", "owners"]
