@@ -184,3 +184,41 @@ def test_ranks_with_other_parameters_fail_on_every_rank_not_hang():
         dist.run(_mismatch, 2, timeout=20)
     assert set(info.value.failures) == {0, 1}
     assert all("differ between ranks" in t for t in info.value.failures.values())
+
+
+def _clip_and_accumulate(rank: int, world: int, stage: int) -> list[torch.Tensor]:
+    """Two micro-batches per rank accumulated, the global norm clipped, then one AdamW step."""
+    x, y = _data()
+    model = zoo.build("layernorm", torch.float64)
+    opt = ShardedOptimizer(_groups(model, "adamw_groups"), torch.optim.AdamW, stage=stage,
+                           lr=0.01, weight_decay=0.1)
+    mine = list(range(rank * BATCH // world, (rank + 1) * BATCH // world))
+    norms = []
+    for _ in range(2):
+        opt.zero_grad()
+        for micro in (mine[: len(mine) // 2], mine[len(mine) // 2:]):
+            (_loss(model, x[micro], y[micro]) / 2).backward()
+        opt.reduce_gradients()
+        norms.append(opt.clip_grad_norm_(0.05))
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], norms
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_accumulation_and_global_norm_clipping_equal_one_process(stage):
+    results = dist.run(_clip_and_accumulate, 2, args=(stage,), timeout=60)
+    model = zoo.build("layernorm", torch.float64)
+    opt = torch.optim.AdamW(_groups(model, "adamw_groups"), lr=0.01, weight_decay=0.1)
+    x, y = _data()
+    norms = []
+    for _ in range(2):
+        opt.zero_grad()
+        _loss(model, x, y).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+        opt.step()
+    assert norms[0] > 0.05   # the clip bites
+    for params, got in results:
+        for a, b in zip(params, model.parameters(), strict=True):
+            torch.testing.assert_close(a, b.detach(), rtol=1e-12, atol=1e-12)
+        for n_ours, n_ref in zip(got, norms, strict=True):
+            torch.testing.assert_close(n_ours, n_ref.to(torch.float64), rtol=1e-12, atol=0)
