@@ -25,6 +25,8 @@ module           what it holds
                  the bench rows
 ``optimizer``    :class:`ShardedOptimizer`: ZeRO-1/2 around any torch optimizer, shaped
                  like torch's ``ZeroRedundancyOptimizer`` (param groups, schedulers)
+``fsdp``         :func:`shard_module`: ZeRO-3 as a module wrapper (FSDP2's shape: any optimizer
+                 steps the shards; mixed precision; accumulation with and without no_sync)
 ``engines``      the real engines: ``ZeroRedundancyOptimizer`` (stage 1), FSDP2 (stage 3)
 ``cost``         the memory and communication models of each stage (modeled)
 ``jax_update``   the same update in JAX with an explicit ``psum_scatter`` on fake devices
@@ -45,6 +47,7 @@ from parlearn.multi_device.sharding.cost import (
 )
 from parlearn.multi_device.sharding.engines import train_engine
 from parlearn.multi_device.sharding.jax_update import jax_sharded_adam, jax_sharded_adam_subprocess
+from parlearn.multi_device.sharding.fsdp import MixedPrecisionPolicy, ShardedModule, shard_module
 from parlearn.multi_device.sharding.optimizer import ShardedOptimizer, owners
 from parlearn.multi_device.sharding.training import (
     Spec,
@@ -70,4 +73,5 @@ __all__ = ["STAGES", "PRECISIONS", "FlatShard", "adam_update", "ShardedAdam", "m
            "measure_memory", "ledger_wire_bytes",
            "train_engine", "memory_model", "comm_model", "gpus_needed", "draw_stages", "step_times",
            "jax_sharded_adam",
-           "jax_sharded_adam_subprocess", "bench", "ShardedOptimizer", "owners"]
+           "jax_sharded_adam_subprocess", "bench", "ShardedOptimizer", "owners",
+           "shard_module", "ShardedModule", "MixedPrecisionPolicy"]
