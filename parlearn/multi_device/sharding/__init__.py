@@ -46,8 +46,8 @@ from parlearn.multi_device.sharding.cost import (
     memory_model,
 )
 from parlearn.multi_device.sharding.engines import train_engine
-from parlearn.multi_device.sharding.jax_update import jax_sharded_adam, jax_sharded_adam_subprocess
 from parlearn.multi_device.sharding.fsdp import MixedPrecisionPolicy, ShardedModule, shard_module
+from parlearn.multi_device.sharding.jax_update import jax_sharded_adam, jax_sharded_adam_subprocess
 from parlearn.multi_device.sharding.optimizer import ShardedOptimizer, owners
 from parlearn.multi_device.sharding.training import (
     Spec,
