@@ -61,6 +61,18 @@ def _train(rank: int, world: int, mode: str) -> dict:
     return out
 
 
+def _modeled_shard_bytes(name: str, world: int) -> int:
+    """Modeled: each unit (a top-level child with parameters) keeps ceil(n / N) elements of its
+    trainable and of its frozen parameters, 8 bytes each in float64."""
+    model = zoo.build(name, torch.float64)
+    total = 0
+    for child in dict.fromkeys(model.children()):
+        for trainable in (True, False):
+            n = sum(p.numel() for p in child.parameters() if p.requires_grad == trainable)
+            total += 8 * math.ceil(n / world)
+    return total
+
+
 class _null:
     def __enter__(self):
         return self
@@ -81,8 +93,7 @@ def test_equal_to_one_process_on_the_zoo(mode):
                                            msg=f"{name} {key} rank {rank} ({mode})")
             if mode == "one":
                 assert held_after_forward == [0] * STEPS   # nothing gathered stays after forward
-                numel = sum(p.numel() for p in zoo.build(name).parameters())
-                assert held["shards"] <= 8 * (math.ceil(numel / 2) + 2 * 2)   # float64, 1/N
+                assert held["shards"] == _modeled_shard_bytes(name, 2), name
 
 
 def test_frozen_parameters_never_move():
