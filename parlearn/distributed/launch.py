@@ -149,6 +149,10 @@ def _child(fn: Callable, rank: int, world_size: int, args: tuple, backend: str,
                                  timeout=datetime.timedelta(seconds=timeout),
                                  device_id=torch.device("cuda", rank) if backend == "nccl"
                                  else None)
+        # Every rank has its connections before any rank runs fn: a rank whose fn fails at
+        # once (a bad argument) must not leave while a peer is still connecting, or that
+        # peer reports a broken connection instead of its own refusal.
+        tdist.barrier()
         payload = ("ok", fn(rank, world_size, *args))
         if tdist.is_initialized():
             # No rank leaves before all are done with the group: a rank that exits while a

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import zoo
+from ranks import assert_refused_on_every_rank
 from torch import nn
 
 from parlearn import dist
@@ -157,10 +158,7 @@ def _bad(rank: int, world: int, which: str):
                                          ("units", "units"), ("bn", "BatchNorm1d"),
                                          ("module", "module")])
 def test_bad_arguments_fail_on_every_rank_naming_them(which, name):
-    with pytest.raises(dist.RankError) as info:
-        dist.run(_bad, 2, args=(which,), timeout=20)
-    assert set(info.value.failures) == {0, 1}
-    assert all(name in t.strip().splitlines()[-1] for t in info.value.failures.values())
+    assert_refused_on_every_rank(_bad, (which,), name=name)
 
 
 def test_policy_refuses_non_float_dtypes():
