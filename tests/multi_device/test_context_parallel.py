@@ -378,7 +378,22 @@ def _sum_over_ranks_shapes_differ(rank, world_size):
     SumOverRanks.apply(torch.zeros(2 + rank, 3, dtype=torch.float64))
 
 
+def _copy_to_ranks_shapes_differ(rank, world_size):
+    from parlearn.multi_device.tensor_parallel import CopyToRanks
+
+    CopyToRanks.apply(torch.zeros(2, 3 + rank, dtype=torch.float64))
+
+
+def _copy_to_ranks_not_a_tensor(rank, world_size):
+    from parlearn.multi_device.tensor_parallel import CopyToRanks
+
+    CopyToRanks.apply(torch.zeros(2, 3) if rank == 0 else [[0.0] * 3] * 2)
+
+
 def test_sequence_parallel_refuses_uneven_slices_on_every_rank():
+    _fails_on_every_rank(_copy_to_ranks_shapes_differ, 2,
+                         r"x\.shape must be the same on every rank")
+    _fails_on_every_rank(_copy_to_ranks_not_a_tensor, 2, r"x must be a torch\.Tensor")
     _fails_on_every_rank(_gather_uneven, 2, r"x\.shape must be the same on every rank")
     _fails_on_every_rank(_scatter_uneven, 2, r"sequence of x .*divisible by the group size 2")
     _fails_on_every_rank(_sp_block_uneven, 2, r"x\.shape must be the same on every rank")
