@@ -10,14 +10,18 @@ from harness import NAN_TENSOR, Case, contract_tests
 
 from parlearn.distributed.cost import AlphaBeta
 from parlearn.multi_device.context_parallel import blocks as cpb
+from parlearn.multi_device.context_parallel import sequence_parallel as cp_sp
 from parlearn.multi_device.moe import layer as moe_layer
 from parlearn.multi_device.moe import router as moe_router
 from parlearn.multi_device.pipeline import runtime as pl_runtime
 from parlearn.multi_device.pipeline import schedules as pl_sched
 from parlearn.multi_device.pipeline import zoo as pl_zoo
 from parlearn.multi_device.pipeline.partition import partition_equal, stage_costs
+from parlearn.multi_device.tensor_parallel import conv as tp_conv
+from parlearn.multi_device.tensor_parallel import megatron as tp_megatron
 from parlearn.multi_device.tensor_parallel import plan as tp_plan
 from parlearn.multi_device.tensor_parallel import plan_levels as tp_levels
+from parlearn.multi_device.transformer import model as tf_model
 
 PL = "parlearn.multi_device.pipeline."
 CP = "parlearn.multi_device.context_parallel."
@@ -403,6 +407,72 @@ CASES = [
          bad={"ops": ["ab", 3, [("all_reduce",)], [("all_reduce", -1)],
                       [("all_reduce", 2.5)], [("all_reduce", True)], [(3, 16)]]},
          check=lambda r, kw: r == {"all_gather": 8, "all_reduce": 16}),
+    # serial references and builders
+    Case(TP + "megatron.serial_mlp", lambda: dict(d_model=4, d_hidden=6, seed=0,
+                                                  dtype=torch.float64, activation=None),
+         ranges={"d_model": (1, None), "d_hidden": (1, None), "seed": (0, None)},
+         bad={"dtype": [torch.int64]}, legal={"activation": [None]}),
+    Case(TP + "megatron.ColumnParallelLinear",
+         lambda: dict(full=torch.nn.Linear(4, 6), rank=1, world_size=2),
+         bad={"rank": [2, -1], "world_size": [0, 4], "full": [torch.nn.Conv1d(1, 1, 1)]}),
+    Case(TP + "megatron.RowParallelLinear",
+         lambda: dict(full=torch.nn.Linear(4, 6), rank=1, world_size=2),
+         bad={"rank": [2, -1], "world_size": [0, 3], "full": [torch.nn.Conv1d(1, 1, 1)]}),
+    Case(TP + "megatron.MegatronMLP",
+         lambda: dict(full=tp_megatron.serial_mlp(4, 6), rank=0, world_size=2),
+         bad={"rank": [2, -1], "world_size": [0, 4],
+              "full": [torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Softmax(-1),
+                                           torch.nn.Linear(6, 4)), torch.nn.Linear(4, 6)]}),
+    Case(TP + "conv.serial_conv", lambda: dict(c_in=2, c_out=3, kernel=3, seed=0,
+                                               dtype=torch.float64),
+         ranges={"c_in": (1, None), "c_out": (1, None), "seed": (0, None)},
+         bad={"kernel": [0, 2, -1], "dtype": [torch.int64]}),
+    Case(TP + "conv.SpatialConv1d",
+         lambda: dict(full=tp_conv.serial_conv(2, 3, 3), rank=0, world_size=2),
+         bad={"rank": [2, -1], "world_size": [0],
+              "full": [torch.nn.Conv1d(2, 3, 3), torch.nn.Linear(2, 3)]}),
+    Case(TP + "movements.movement_matrix", lambda: dict(name="all_gather", p=2, rows=2,
+                                                        cols=2),
+         bad={"p": [0, -1], "rows": [0, -1], "cols": [0, -1], "name": ["gather_all"]},
+         check=lambda r, kw: torch.equal(r[1], r[0].T)),
+    Case(TP + "movements.dot_product_test", lambda: dict(name="reduce_scatter", p=2, rows=2,
+                                                         cols=2, seed=0),
+         ranges={"p": (1, None), "rows": (1, None), "cols": (1, None), "seed": (0, None)},
+         check=lambda r, kw: math.isclose(r[0], r[1], rel_tol=1e-12, abs_tol=1e-12)),
+    Case(CP + "sequence_parallel.serial_block", lambda: dict(d_model=4, d_hidden=6, seed=0),
+         ranges={"d_model": (1, None), "d_hidden": (1, None), "seed": (0, None)}),
+    Case(CP + "sequence_parallel.TensorParallelBlock",
+         lambda: dict(full=cp_sp.serial_block(4, 6), rank=0, world_size=2),
+         bad={"rank": [2, -1], "world_size": [0, 4],
+              "full": [torch.nn.Linear(4, 6), torch.nn.Sequential(torch.nn.Linear(4, 6))]}),
+    Case(CP + "workers.attention_inputs", lambda: dict(seq=5, batch=1, heads=2, head_dim=4,
+                                                       seed=0, dtype=torch.float64),
+         ranges={"seq": (1, None), "batch": (1, None), "heads": (1, None),
+                 "head_dim": (1, None), "seed": (0, None)},
+         bad={"dtype": [torch.int64]},
+         check=lambda r, kw: all(t.shape == (kw["batch"], kw["heads"], kw["seq"],
+                                             kw["head_dim"]) for t in r)),
+    Case(PL + "hydra.hydra_schedule", lambda: dict(kind="1f1b", stages=2, micro_batches=2,
+                                                   models=2),
+         ranges={"stages": (1, None), "micro_batches": (1, None), "models": (1, None)},
+         check=lambda r, kw: r.micro_batches == kw["micro_batches"] * kw["models"]),
+    Case(PL + "virtual.chunk_layers",
+         lambda: dict(n_layers=8, sched=pl_zoo.zoo_schedule("zb-v", 2, 4)),
+         ranges={"n_layers": (4, None)}, bad={"sched": ["a string", 3, [[]]]},
+         check=lambda r, kw: r[-1][1] == kw["n_layers"] and len(r) == 4),
+    Case(PL + "simulator.dependency",
+         lambda: dict(orders=pl_sched.schedule("1f1b", 2, 2), rank=1, op=pl_sched.Op("B", 0)),
+         bad={"rank": [2, -1], "op": ["B0", pl_sched.Op("X", 0), ("B", 0)],
+              "orders": ["ab", 3]},
+         check=lambda r, kw: r == ("F", 1, 0)),
+    Case(MOE + "layer.moe_gpt",
+         lambda: dict(cfg=tf_model.GPTConfig(d_model=8, n_heads=2, n_layers=1, max_seq=8),
+                      n_experts=2, k=1, capacity_factor=None, routing="token", groups=1,
+                      dtype=torch.float32),
+         ranges={"n_experts": (1, None), "groups": (1, None)},
+         bad={"cfg": [{"d_model": 8}], "k": [3], "capacity_factor": [0.0, -1.0],
+              "dtype": [torch.int64]},
+         legal={"capacity_factor": [None]}),
 ]
 
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
@@ -436,21 +506,18 @@ EXEMPT: dict[str, str] = {}
 
 # Public callables whose contract test is still to be written (test_completeness: only shrinks).
 PENDING = [
+    "parlearn.multi_device.pipeline.schedules.Op",
     "parlearn.multi_device.context_parallel.gpt.cp_train",
     "parlearn.multi_device.context_parallel.gpt.cp_train_worker",
     "parlearn.multi_device.context_parallel.gpt.serial_train",
     "parlearn.multi_device.context_parallel.gpt.train_batches",
     "parlearn.multi_device.context_parallel.ring.RingAttention",
-    "parlearn.multi_device.context_parallel.sequence_parallel.TensorParallelBlock",
-    "parlearn.multi_device.context_parallel.sequence_parallel.serial_block",
     "parlearn.multi_device.context_parallel.sequence_parallel.sp_block_worker",
     "parlearn.multi_device.context_parallel.ulysses.AllToAll",
     "parlearn.multi_device.context_parallel.workers.attention_check",
-    "parlearn.multi_device.context_parallel.workers.attention_inputs",
     "parlearn.multi_device.context_parallel.workers.attention_worker",
     "parlearn.multi_device.context_parallel.workers.saved_bytes",
     "parlearn.multi_device.context_parallel.workers.torch_cp_worker",
-    "parlearn.multi_device.moe.layer.moe_gpt",
     "parlearn.multi_device.moe.parallel.AllToAll",
     "parlearn.multi_device.moe.parallel.mesh_groups",
     "parlearn.multi_device.moe.parallel.sync_grads",
@@ -462,32 +529,22 @@ PENDING = [
     "parlearn.multi_device.moe.workers.train_check",
     "parlearn.multi_device.moe.workers.train_worker",
     "parlearn.multi_device.pipeline.hydra.hydra_reference",
-    "parlearn.multi_device.pipeline.hydra.hydra_schedule",
     "parlearn.multi_device.pipeline.hydra.hydra_train",
     "parlearn.multi_device.pipeline.partition.layer_costs",
     "parlearn.multi_device.pipeline.runtime.PipelineRun",
     "parlearn.multi_device.pipeline.runtime.bench",
     "parlearn.multi_device.pipeline.runtime.run_pipeline",
     "parlearn.multi_device.pipeline.runtime.stage_op_costs",
-    "parlearn.multi_device.pipeline.schedules.Op",
     "parlearn.multi_device.pipeline.schedules.Schedule",
     "parlearn.multi_device.pipeline.simulator.Simulation",
-    "parlearn.multi_device.pipeline.simulator.dependency",
     "parlearn.multi_device.pipeline.torch_pipeline.dualpipe_v_order",
     "parlearn.multi_device.pipeline.torch_pipeline.run_torch_pipeline",
     "parlearn.multi_device.pipeline.torch_pipeline.run_torch_zoo",
-    "parlearn.multi_device.pipeline.virtual.chunk_layers",
-    "parlearn.multi_device.tensor_parallel.conv.SpatialConv1d",
     "parlearn.multi_device.tensor_parallel.conv.bench",
     "parlearn.multi_device.tensor_parallel.conv.halo_conv_check",
     "parlearn.multi_device.tensor_parallel.conv.halo_conv_worker",
-    "parlearn.multi_device.tensor_parallel.conv.serial_conv",
-    "parlearn.multi_device.tensor_parallel.megatron.ColumnParallelLinear",
-    "parlearn.multi_device.tensor_parallel.megatron.MegatronMLP",
-    "parlearn.multi_device.tensor_parallel.megatron.RowParallelLinear",
     "parlearn.multi_device.tensor_parallel.megatron.megatron_check",
     "parlearn.multi_device.tensor_parallel.megatron.megatron_worker",
-    "parlearn.multi_device.tensor_parallel.megatron.serial_mlp",
     "parlearn.multi_device.tensor_parallel.movements.RankAllGather",
     "parlearn.multi_device.tensor_parallel.movements.RankBroadcast",
     "parlearn.multi_device.tensor_parallel.movements.RankGather",
@@ -496,9 +553,7 @@ PENDING = [
     "parlearn.multi_device.tensor_parallel.movements.RankRepartition",
     "parlearn.multi_device.tensor_parallel.movements.RankScatter",
     "parlearn.multi_device.tensor_parallel.movements.RankSumReduce",
-    "parlearn.multi_device.tensor_parallel.movements.dot_product_test",
     "parlearn.multi_device.tensor_parallel.movements.movement",
-    "parlearn.multi_device.tensor_parallel.movements.movement_matrix",
     "parlearn.multi_device.tensor_parallel.movements.rank_dot_product_worker",
     "parlearn.multi_device.tensor_parallel.plan_hlo.hlo_collectives",
 ]

@@ -42,6 +42,11 @@ def attention_inputs(seq: int, batch: int = 1, heads: int = 2, head_dim: int = 4
                      seed: int = 0, dtype: torch.dtype = torch.float64):
     """``q, k, v`` and the loss weight ``w``, each ``(batch, heads, seq, head_dim)``, from a
     private generator (the global RNG is not touched)."""
+    seq, batch, heads, head_dim = (check_int(n, v, lo=1) for n, v in (
+        ("seq", seq), ("batch", batch), ("heads", heads), ("head_dim", head_dim)))
+    seed = check_int("seed", seed, lo=0)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     gen = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(batch, heads, seq, head_dim, generator=gen, dtype=dtype)
                  for _ in range(4))

@@ -70,6 +70,8 @@ def serial_conv(c_in: int, c_out: int, kernel: int, seed: int | torch.Generator 
     if kernel % 2 == 0:
         raise ValueError(f"kernel must be odd (same padding), got {kernel}")
     seed = check_seed("seed", seed)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     g = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         conv = nn.Conv1d(c_in, c_out, kernel, padding=(kernel - 1) // 2).to(dtype)
