@@ -136,6 +136,10 @@ def _md():
     return dict(model=model, x=x, y=y)
 
 
+def _gpt_cfg():
+    return tf_model.GPTConfig(d_model=8, n_heads=2, n_layers=1, max_seq=16)
+
+
 def _moe_model():
     layer = moe_layer.MoE(4, 8, 4, 1, dtype=torch.float64)
     layer(torch.zeros(3, 4, dtype=torch.float64))
@@ -473,6 +477,58 @@ CASES = [
          bad={"cfg": [{"d_model": 8}], "k": [3], "capacity_factor": [0.0, -1.0],
               "dtype": [torch.int64]},
          legal={"capacity_factor": [None]}),
+    # launchers: every argument checked before the ranks start (run_good=False: the legal
+    # calls run real ranks, which tests/multi_device does)
+    Case(PL + "runtime.run_pipeline",
+         lambda: dict(kind="1f1b", **_md(), stages=2, micro_batches=2, counts=None,
+                      verbose=False, timeout=30.0),
+         bad={"stages": [1, 9], "micro_batches": [0, 5, [], [2, 0]], "counts": [[1], [0, 3]],
+              "timeout": [0.0, -1.0]},
+         legal={"counts": [None], "x": [NAN_TENSOR], "y": [NAN_TENSOR]}, run_good=False),
+    Case(PL + "hydra.hydra_reference",
+         lambda: dict(models=[_ms(), _ms()], data=[pl_runtime.make_data(_ms(), 4, seed=s)
+                                                   for s in (0, 1)], steps=1, lr=0.1),
+         ranges={"steps": (1, None)},
+         bad={"models": [[], "ab", [_ms(), torch.nn.Linear(3, 2)]],
+              "data": [[], [(torch.zeros(4, 3), torch.zeros(4, 2))]], "lr": [0.0, -1.0]}),
+    Case(PL + "partition.layer_costs",
+         lambda: dict(model=_ms(), x=pl_runtime.make_data(_ms(), 4)[0], repeat=1),
+         bad={"repeat": [0, -1], "x": [torch.zeros(4, 5, dtype=torch.float64)]},
+         legal={"x": [NAN_TENSOR]}, run_good=False),
+    Case(TP + "movements.movement",
+         lambda: dict(name="all_gather", pieces=[torch.ones(2, 2), torch.ones(2, 2)], p=2),
+         bad={"p": [0, 3], "pieces": ["ab", [torch.ones(2, 2)], [torch.ones(2, 2), "x"]]},
+         check=lambda r, kw: len(r) == kw["p"]),
+    Case(CP + "workers.attention_check",
+         lambda: dict(scheme="ring", world_size=2, seq=8, batch=1, heads=2, head_dim=4,
+                      causal=False, layout="contiguous", seed=0, repeat=1, timeout=30.0),
+         bad={"world_size": [0], "seq": [0], "batch": [0], "heads": [0], "head_dim": [0],
+              "repeat": [0], "timeout": [0.0, -1.0], "seed": [-1]}, run_good=False),
+    Case(TP + "megatron.megatron_check",
+         lambda: dict(world_size=2, batch=4, d_model=8, d_hidden=16, seed=0, timeout=30.0,
+                      activation=None),
+         bad={"world_size": [0], "batch": [0], "d_model": [0], "d_hidden": [0, 7],
+              "seed": [-1], "timeout": [0.0, -1.0], "activation": [torch.nn.Softmax(-1)]},
+         legal={"activation": [None]}, run_good=False),
+    Case(TP + "conv.halo_conv_check",
+         lambda: dict(world_size=2, batch=2, c_in=3, c_out=4, length=12, kernel=3, seed=0,
+                      timeout=30.0),
+         bad={"world_size": [0, 5], "batch": [0], "c_in": [0], "c_out": [0],
+              "length": [0, 13], "kernel": [0, 2], "seed": [-1], "timeout": [0.0, -1.0]},
+         run_good=False),
+    Case(CP + "gpt.cp_train",
+         lambda: dict(cfg=_gpt_cfg(), world_size=2, steps=1, batch=1, seq=8, lr=1e-2, seed=0,
+                      layout="zigzag", scheme="ring", timeout=30.0),
+         bad={"cfg": [{"d_model": 8}], "world_size": [0, 1], "steps": [0], "batch": [0],
+              "seq": [0, 17], "lr": [0.0, -1.0], "seed": [-1], "timeout": [0.0, -1.0]},
+         run_good=False),
+    Case(CP + "gpt.serial_train",
+         lambda: dict(cfg=_gpt_cfg(), steps=1, batch=1, seq=8, lr=1e-2, seed=0,
+                      optimizer="adamw"),
+         bad={"cfg": [{"d_model": 8}], "steps": [0], "batch": [0], "seq": [0, 17],
+              "lr": [0.0, -1.0], "seed": [-1]}, run_good=False),
+    Case(CP + "gpt.train_batches", lambda: dict(steps=1, batch=1, seq=8, seed=0),
+         bad={"steps": [0], "batch": [0], "seq": [0], "seed": [-1]}, run_good=False),
 ]
 
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
@@ -507,14 +563,10 @@ EXEMPT: dict[str, str] = {}
 # Public callables whose contract test is still to be written (test_completeness: only shrinks).
 PENDING = [
     "parlearn.multi_device.pipeline.schedules.Op",
-    "parlearn.multi_device.context_parallel.gpt.cp_train",
     "parlearn.multi_device.context_parallel.gpt.cp_train_worker",
-    "parlearn.multi_device.context_parallel.gpt.serial_train",
-    "parlearn.multi_device.context_parallel.gpt.train_batches",
     "parlearn.multi_device.context_parallel.ring.RingAttention",
     "parlearn.multi_device.context_parallel.sequence_parallel.sp_block_worker",
     "parlearn.multi_device.context_parallel.ulysses.AllToAll",
-    "parlearn.multi_device.context_parallel.workers.attention_check",
     "parlearn.multi_device.context_parallel.workers.attention_worker",
     "parlearn.multi_device.context_parallel.workers.saved_bytes",
     "parlearn.multi_device.context_parallel.workers.torch_cp_worker",
@@ -528,12 +580,9 @@ PENDING = [
     "parlearn.multi_device.moe.workers.layer_worker",
     "parlearn.multi_device.moe.workers.train_check",
     "parlearn.multi_device.moe.workers.train_worker",
-    "parlearn.multi_device.pipeline.hydra.hydra_reference",
     "parlearn.multi_device.pipeline.hydra.hydra_train",
-    "parlearn.multi_device.pipeline.partition.layer_costs",
     "parlearn.multi_device.pipeline.runtime.PipelineRun",
     "parlearn.multi_device.pipeline.runtime.bench",
-    "parlearn.multi_device.pipeline.runtime.run_pipeline",
     "parlearn.multi_device.pipeline.runtime.stage_op_costs",
     "parlearn.multi_device.pipeline.schedules.Schedule",
     "parlearn.multi_device.pipeline.simulator.Simulation",
@@ -541,9 +590,7 @@ PENDING = [
     "parlearn.multi_device.pipeline.torch_pipeline.run_torch_pipeline",
     "parlearn.multi_device.pipeline.torch_pipeline.run_torch_zoo",
     "parlearn.multi_device.tensor_parallel.conv.bench",
-    "parlearn.multi_device.tensor_parallel.conv.halo_conv_check",
     "parlearn.multi_device.tensor_parallel.conv.halo_conv_worker",
-    "parlearn.multi_device.tensor_parallel.megatron.megatron_check",
     "parlearn.multi_device.tensor_parallel.megatron.megatron_worker",
     "parlearn.multi_device.tensor_parallel.movements.RankAllGather",
     "parlearn.multi_device.tensor_parallel.movements.RankBroadcast",
@@ -553,7 +600,6 @@ PENDING = [
     "parlearn.multi_device.tensor_parallel.movements.RankRepartition",
     "parlearn.multi_device.tensor_parallel.movements.RankScatter",
     "parlearn.multi_device.tensor_parallel.movements.RankSumReduce",
-    "parlearn.multi_device.tensor_parallel.movements.movement",
     "parlearn.multi_device.tensor_parallel.movements.rank_dot_product_worker",
     "parlearn.multi_device.tensor_parallel.plan_hlo.hlo_collectives",
 ]

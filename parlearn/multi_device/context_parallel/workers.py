@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from parlearn.core.checks import check_bool, check_choice, check_int
+from parlearn.core.checks import check_bool, check_choice, check_float, check_int
 from parlearn.multi_device.context_parallel.blocks import LAYOUTS, full_attention, shard_index
 from parlearn.multi_device.context_parallel.ring import ring_attention
 from parlearn.multi_device.context_parallel.ulysses import ulysses_attention
@@ -95,7 +95,9 @@ def attention_check(scheme: str, world_size: int, seq: int, *, batch: int = 1, h
     seq = check_int("seq", seq, lo=1)
     causal = check_bool("causal", causal)
     check_choice("layout", layout, LAYOUTS)
-    q, k, v, w = attention_inputs(seq, batch, heads, head_dim, seed)
+    repeat = check_int("repeat", repeat, lo=1)
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
+    q, k, v, w = attention_inputs(seq, batch, heads, head_dim, seed)   # checks the sizes
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
     ref, saved = saved_bytes(full_attention, q, k, v, causal)
     (ref * w).sum().backward()

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from parlearn.core.checks import check_int
+from parlearn.core.checks import check_float, check_int
 from parlearn.multi_device.pipeline.partition import partition_equal, split_layers
 from parlearn.multi_device.pipeline.runtime import (
     PipelineRun,
@@ -200,6 +200,7 @@ def run_schedule(scheds: Schedule | Sequence[Schedule], model: nn.Sequential,
     from parlearn import distributed as dist
 
     _preimport()
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     per_rank = dist.run(_worker, world, args=(scheds, model, x, y, specs), backend="gloo",
                         timeout=timeout, deadline=4 * timeout)
     runs = []

@@ -28,7 +28,13 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
 
-from parlearn.core.checks import check_int, check_module, check_seed, check_tensor
+from parlearn.core.checks import (
+    check_float,
+    check_int,
+    check_module,
+    check_seed,
+    check_tensor,
+)
 from parlearn.multi_device.tensor_parallel._agree import agree
 
 __all__ = ["CopyToRanks", "SumOverRanks", "ColumnParallelLinear", "RowParallelLinear",
@@ -270,8 +276,14 @@ def megatron_check(world_size: int, batch: int = 4, d_model: int = 8, d_hidden: 
     from parlearn.distributed import run
 
     world_size = check_int("world_size", world_size, lo=1)
+    batch = check_int("batch", batch, lo=1)
+    seed = check_int("seed", seed, lo=0)   # the ranks rebuild the block from it: an int
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     full = serial_mlp(d_model, d_hidden, seed, activation=activation)
     _check_block(full)   # refused here, before the ranks start
+    if d_hidden % world_size:
+        raise ValueError(f"d_hidden={d_hidden} must be divisible by world_size={world_size} "
+                         f"(the column and row split)")
     x, w = _inputs(batch, d_model, seed, torch.float64)
     x = x.requires_grad_(True)
     (full(x) * w).sum().backward()
