@@ -553,6 +553,12 @@ CASES = [
          bad={"models": [[], "ab"], "stages": [1, 9], "micro_batches": [0, 5], "steps": [0],
               "lr": [0.0, -1.0], "timeout": [0.0, -1.0]},
          legal={"counts": [None]}, run_good=False),
+    Case(MOE + "parallel.to_expert_parallel",
+         lambda: dict(model=torch.nn.Sequential(moe_layer.MoE(4, 8, 4, 1)), ep_rank=1,
+                      ep_size=2, group=None),
+         bad={"model": [3], "ep_rank": [2, -1], "ep_size": [0, 3]},
+         skip={"group": "a process group or None, used by the layers' forward only"},
+         check=lambda r, kw: r[0].experts == [2, 3]),
     Case(MOE + "workers.layer_check",
          lambda: dict(world_size=2, ep=None, tokens=12, d_model=8, d_ff=16, n_experts=4, k=2,
                       capacity_factor=None, routing="token", empty_expert=False, balance=0.1,
@@ -577,6 +583,8 @@ test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
 MD = "parlearn.multi_device."
 COVERED_ELSEWHERE: dict[str, str] = {
     MD + "context_parallel.ring.ring_attention":
+        "tests/multi_device/test_context_parallel.py::test_ring_attention_checks_dtypes_and_agreement_before_the_first_send",
+    MD + "context_parallel.ring.RingAttention":
         "tests/multi_device/test_context_parallel.py::test_ring_attention_checks_dtypes_and_agreement_before_the_first_send",
     MD + "context_parallel.ulysses.ulysses_attention":
         "tests/multi_device/test_context_parallel.py::test_ring_attention_checks_dtypes_and_agreement_before_the_first_send",
@@ -603,7 +611,6 @@ EXEMPT: dict[str, str] = {}
 PENDING = [
     "parlearn.multi_device.pipeline.schedules.Op",
     "parlearn.multi_device.context_parallel.gpt.cp_train_worker",
-    "parlearn.multi_device.context_parallel.ring.RingAttention",
     "parlearn.multi_device.context_parallel.sequence_parallel.sp_block_worker",
     "parlearn.multi_device.context_parallel.ulysses.AllToAll",
     "parlearn.multi_device.context_parallel.workers.attention_worker",
@@ -612,7 +619,6 @@ PENDING = [
     "parlearn.multi_device.moe.parallel.AllToAll",
     "parlearn.multi_device.moe.parallel.mesh_groups",
     "parlearn.multi_device.moe.parallel.sync_grads",
-    "parlearn.multi_device.moe.parallel.to_expert_parallel",
     "parlearn.multi_device.moe.router.Routing",
     "parlearn.multi_device.moe.train.train_moe",
     "parlearn.multi_device.moe.workers.layer_worker",

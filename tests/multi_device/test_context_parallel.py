@@ -314,6 +314,12 @@ def _ring_mixed_dtypes(rank, world_size):
     cp.ring_attention(q, k, k, seq=8)
 
 
+def _ring_apply_mixed_dtypes(rank, world_size):
+    q = torch.zeros(1, 1, 4, 2, dtype=torch.float64)
+    k = torch.zeros(1, 1, 4, 2, dtype=torch.float32)
+    cp.RingAttention.apply(q, k, k, 8, "contiguous", False, None)
+
+
 def _ring_dtype_differs_by_rank(rank, world_size):
     dtype = torch.float64 if rank == 0 else torch.float32
     q = torch.zeros(1, 1, 4, 2, dtype=dtype)
@@ -332,6 +338,7 @@ def _ulysses_heads_differ_by_rank(rank, world_size):
 
 def test_ring_attention_checks_dtypes_and_agreement_before_the_first_send():
     _fails_on_every_rank(_ring_mixed_dtypes, 2, r"q, k and v must have one dtype")
+    _fails_on_every_rank(_ring_apply_mixed_dtypes, 2, r"q, k and v must have one dtype")
     _fails_on_every_rank(_ring_dtype_differs_by_rank, 2,
                          r"q dtype must be the same on every rank")
     # a refusal on one rank only is an error on the other rank too, not a hang
