@@ -314,6 +314,12 @@ def _ring_mixed_dtypes(rank, world_size):
     cp.ring_attention(q, k, k, seq=8)
 
 
+def _ring_apply_mixed_dtypes(rank, world_size):
+    q = torch.zeros(1, 1, 4, 2, dtype=torch.float64)
+    k = torch.zeros(1, 1, 4, 2, dtype=torch.float32)
+    cp.RingAttention.apply(q, k, k, 8, "contiguous", False, None)
+
+
 def _ring_dtype_differs_by_rank(rank, world_size):
     dtype = torch.float64 if rank == 0 else torch.float32
     q = torch.zeros(1, 1, 4, 2, dtype=dtype)
@@ -332,6 +338,7 @@ def _ulysses_heads_differ_by_rank(rank, world_size):
 
 def test_ring_attention_checks_dtypes_and_agreement_before_the_first_send():
     _fails_on_every_rank(_ring_mixed_dtypes, 2, r"q, k and v must have one dtype")
+    _fails_on_every_rank(_ring_apply_mixed_dtypes, 2, r"q, k and v must have one dtype")
     _fails_on_every_rank(_ring_dtype_differs_by_rank, 2,
                          r"q dtype must be the same on every rank")
     # a refusal on one rank only is an error on the other rank too, not a hang
@@ -378,7 +385,22 @@ def _sum_over_ranks_shapes_differ(rank, world_size):
     SumOverRanks.apply(torch.zeros(2 + rank, 3, dtype=torch.float64))
 
 
+def _copy_to_ranks_shapes_differ(rank, world_size):
+    from parlearn.multi_device.tensor_parallel import CopyToRanks
+
+    CopyToRanks.apply(torch.zeros(2, 3 + rank, dtype=torch.float64))
+
+
+def _copy_to_ranks_not_a_tensor(rank, world_size):
+    from parlearn.multi_device.tensor_parallel import CopyToRanks
+
+    CopyToRanks.apply(torch.zeros(2, 3) if rank == 0 else [[0.0] * 3] * 2)
+
+
 def test_sequence_parallel_refuses_uneven_slices_on_every_rank():
+    _fails_on_every_rank(_copy_to_ranks_shapes_differ, 2,
+                         r"x\.shape must be the same on every rank")
+    _fails_on_every_rank(_copy_to_ranks_not_a_tensor, 2, r"x must be a torch\.Tensor")
     _fails_on_every_rank(_gather_uneven, 2, r"x\.shape must be the same on every rank")
     _fails_on_every_rank(_scatter_uneven, 2, r"sequence of x .*divisible by the group size 2")
     _fails_on_every_rank(_sp_block_uneven, 2, r"x\.shape must be the same on every rank")

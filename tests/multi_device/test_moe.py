@@ -256,3 +256,33 @@ def test_capacity_equals_the_formula_in_exact_arithmetic(tokens, n_experts, k_ra
     # the smallest integer >= the exact value, checked without any float
     assert cap >= exact and cap - 1 < exact
     assert moe.capacity(tokens, n_experts, k, Fraction(tenths, 10)) == cap
+
+
+def _ep_bad_x_on_rank_1(rank, world_size):
+    full = moe.MoE(4, 8, 4, 1, dtype=torch.float64)
+    layer = moe.ExpertParallelMoE(full, rank, world_size)
+    layer(torch.zeros(3, 4 if rank == 0 else 5, dtype=torch.float64))
+
+
+def _ep_dtype_differs_by_rank(rank, world_size):
+    full = moe.MoE(4, 8, 4, 1, dtype=torch.float64)
+    layer = moe.ExpertParallelMoE(full, rank, world_size)
+    layer(torch.zeros(3, 4, dtype=torch.float64 if rank == 0 else torch.float32))
+
+
+@pytest.mark.parametrize("worker,match", [(_ep_bad_x_on_rank_1, r"x must end in d_model=4"),
+                                          (_ep_dtype_differs_by_rank,
+                                           r"x\.dtype must be the same on every rank")])
+def test_expert_parallel_bad_x_fails_fast_on_every_rank(worker, match):
+    import re
+    import time
+
+    from parlearn.distributed import RankError, run
+
+    t0 = time.perf_counter()
+    with pytest.raises(RankError) as info:
+        run(worker, 2, timeout=10, deadline=30)
+    assert sorted(info.value.failures) == [0, 1], info.value
+    for rank, text in info.value.failures.items():
+        assert re.search(match, text), f"rank {rank}: {text}"
+    assert time.perf_counter() - t0 < 10, "the ranks waited for the group timeout"

@@ -297,8 +297,12 @@ def test_validate_refuses_ops_it_would_ignore():
     odd[1].append(pl.Op("X", 0))
     with pytest.raises(ValueError, match="sched"):
         validate(odd)
-    with pytest.raises(ValueError, match="one op list per rank"):
-        validate(pl.Schedule([list(good[0])], "mine", 2, 2))
+    with pytest.raises(ValueError, match="orders must hold one op list per rank"):
+        pl.Schedule([list(good[0])], "mine", 2, 2)
+    lost = pl.Schedule([list(ops) for ops in good], "mine", 2, 2)
+    lost.pop()   # a rank's list removed after construction
+    with pytest.raises(ValueError, match="sched must hold one op list per rank"):
+        validate(lost)
 
 
 @pytest.mark.parametrize("arg,value", [("t_f", -1.0), ("t_b", math.nan), ("t_w", -1),

@@ -70,11 +70,35 @@ def _timed(timeline, label: str, step: int, fn, *args):
     return out
 
 
+def _check_and_agree(q, k, v, seq, layout, causal, timeline) -> None:
+    """Every argument of :func:`ring_attention` checked on every rank, then the verdicts
+    and what must match exchanged, before the first send (also for a direct
+    ``RingAttention.apply``)."""
+    if not tdist.is_initialized():
+        raise RuntimeError("ring_attention needs an initialised torch.distributed group")
+    world = tdist.get_world_size()
+    if world < 2:
+        raise ValueError(f"ring attention needs world_size >= 2 (a ring), got {world}")
+    # Every check runs on every rank and the verdicts are exchanged before the first send:
+    # a rank that fails after its neighbours posted their sends would leave them waiting.
+    err = None
+    try:
+        _check_ring_args(q, k, v, seq, layout, causal, timeline, world)
+    except (TypeError, ValueError) as e:
+        err = e
+    agree({"seq": seq, "layout": layout, "causal": causal,
+           "q dtype": str(getattr(q, "dtype", None)),
+           "k dtype": str(getattr(k, "dtype", None)),
+           "v dtype": str(getattr(v, "dtype", None)),
+           "q (batch, heads, head_dim)": _bhd(q), "k (batch, heads, head_dim)": _bhd(k)}, err)
+
+
 class RingAttention(torch.autograd.Function):
     """``apply(q, k, v, seq, layout, causal, timeline)``: see :func:`ring_attention`."""
 
     @staticmethod
     def forward(ctx, q, k, v, seq, layout, causal, timeline):
+        _check_and_agree(q, k, v, seq, layout, causal, timeline)
         rank, world = tdist.get_rank(), tdist.get_world_size()
         chunks = [shard_chunks(seq, world, r, layout) for r in range(world)]
         lengths = [sum(b - a for a, b in c) for c in chunks]
@@ -164,21 +188,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq: in
     list, receives ``(label, step, t0, t1)`` for every block computation and every wait
     (``perf_counter`` seconds), and ``("work", entries, 0, 0)`` with the score entries
     this rank computed. Needs an initialised group of at least 2 ranks."""
-    if not tdist.is_initialized():
-        raise RuntimeError("ring_attention needs an initialised torch.distributed group")
-    world = tdist.get_world_size()
-    if world < 2:
-        raise ValueError(f"ring attention needs world_size >= 2 (a ring), got {world}")
-    # Every check runs on every rank and the verdicts are exchanged before the first send:
-    # a rank that fails after its neighbours posted their sends would leave them waiting.
-    err = None
-    try:
-        _check_ring_args(q, k, v, seq, layout, causal, timeline, world)
-    except (TypeError, ValueError) as e:
-        err = e
-    agree({"seq": seq, "layout": layout, "causal": causal,
-           "q dtype": str(getattr(q, "dtype", None)),
-           "k dtype": str(getattr(k, "dtype", None)),
-           "v dtype": str(getattr(v, "dtype", None)),
-           "q (batch, heads, head_dim)": _bhd(q), "k (batch, heads, head_dim)": _bhd(k)}, err)
     return RingAttention.apply(q, k, v, seq, layout, causal, timeline)

@@ -127,6 +127,11 @@ class _Sharded(nn.Module):
     def __init__(self, full: nn.Sequential, rank: int, world_size: int):
         super().__init__()
         check_module("full", full)
+        kinds = (nn.LayerNorm, nn.Linear, nn.Module, nn.Linear)
+        if not isinstance(full, nn.Sequential) or len(full) != 4 or not all(
+                isinstance(m, k) for m, k in zip(full, kinds, strict=True)):
+            raise TypeError("full must be nn.Sequential(LayerNorm, Linear, activation, Linear) "
+                            f"as serial_block builds, got {type(full).__name__}")
         world_size = check_int("world_size", world_size, lo=1)
         rank = check_int("rank", rank, lo=0, hi=world_size - 1)
         hidden = full[1].out_features

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from parlearn.core.checks import check_bool, check_choice, check_int
+from parlearn.core.checks import check_bool, check_choice, check_float, check_int
 from parlearn.multi_device.context_parallel.blocks import LAYOUTS, full_attention, shard_index
 from parlearn.multi_device.context_parallel.ring import ring_attention
 from parlearn.multi_device.context_parallel.ulysses import ulysses_attention
@@ -42,6 +42,11 @@ def attention_inputs(seq: int, batch: int = 1, heads: int = 2, head_dim: int = 4
                      seed: int = 0, dtype: torch.dtype = torch.float64):
     """``q, k, v`` and the loss weight ``w``, each ``(batch, heads, seq, head_dim)``, from a
     private generator (the global RNG is not touched)."""
+    seq, batch, heads, head_dim = (check_int(n, v, lo=1) for n, v in (
+        ("seq", seq), ("batch", batch), ("heads", heads), ("head_dim", head_dim)))
+    seed = check_int("seed", seed, lo=0)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     gen = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(batch, heads, seq, head_dim, generator=gen, dtype=dtype)
                  for _ in range(4))
@@ -90,7 +95,9 @@ def attention_check(scheme: str, world_size: int, seq: int, *, batch: int = 1, h
     seq = check_int("seq", seq, lo=1)
     causal = check_bool("causal", causal)
     check_choice("layout", layout, LAYOUTS)
-    q, k, v, w = attention_inputs(seq, batch, heads, head_dim, seed)
+    repeat = check_int("repeat", repeat, lo=1)
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
+    q, k, v, w = attention_inputs(seq, batch, heads, head_dim, seed)   # checks the sizes
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
     ref, saved = saved_bytes(full_attention, q, k, v, causal)
     (ref * w).sum().backward()

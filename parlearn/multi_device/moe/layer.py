@@ -129,6 +129,8 @@ def moe_gpt(cfg: GPTConfig, n_experts: int, k: int = 1, *, capacity_factor: floa
     """A :class:`GPT` ``(cfg)`` whose every MLP is an :class:`MoE` of ``n_experts`` experts
     as wide as the dense MLP (``cfg.ff``); expert weights drawn from ``cfg.seed`` and the
     layer index. ``cfg.mlp`` must be "gelu" (the experts are GELU MLPs)."""
+    if not isinstance(cfg, GPTConfig):
+        raise TypeError(f"cfg must be a GPTConfig, got {type(cfg).__name__}")
     if cfg.mlp != "gelu":
         raise ValueError(f"moe_gpt builds GELU experts; cfg.mlp must be 'gelu', got {cfg.mlp!r}")
     model = GPT(cfg, dtype=dtype)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from parlearn.core.checks import check_int, check_tensor
+from parlearn.core.checks import check_int, check_module, check_tensor
 from parlearn.multi_device.moe.layer import MoE, moe_layers
 from parlearn.multi_device.moe.router import Routing
 from parlearn.multi_device.tensor_parallel._agree import agree
@@ -145,7 +145,11 @@ def mesh_groups(world_size: int, ep: int) -> tuple[int, int, object, object]:
 
 def to_expert_parallel(model: nn.Module, ep_rank: int, ep_size: int, group=None) -> nn.Module:
     """Replace every :class:`MoE` inside ``model`` (in place) by its
-    :class:`ExpertParallelMoE` for EP rank ``ep_rank``; returns ``model``."""
+    :class:`ExpertParallelMoE` for EP rank ``ep_rank``; returns ``model``. The ranks are
+    checked first, even for a model without an MoE layer (nothing ignored)."""
+    check_module("model", model)
+    ep_size = check_int("ep_size", ep_size, lo=1)
+    ep_rank = check_int("ep_rank", ep_rank, lo=0, hi=ep_size - 1)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, MoE) and not isinstance(child, ExpertParallelMoE):

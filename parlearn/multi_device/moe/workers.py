@@ -13,7 +13,7 @@ import copy
 
 import torch
 
-from parlearn.core.checks import check_int
+from parlearn.core.checks import check_bool, check_float, check_int
 from parlearn.distributed import ledger, run
 from parlearn.multi_device.moe.layer import MoE, aux_loss, moe_gpt
 from parlearn.multi_device.moe.parallel import (
@@ -82,6 +82,10 @@ def layer_check(world_size: int = 2, ep: int | None = None, *, tokens: int = 12,
     the rows it sent to (received from) each EP rank."""
     world_size = check_int("world_size", world_size, lo=1)
     ep = world_size if ep is None else check_int("ep", ep, lo=1, hi=world_size)
+    # The layer the ranks build, built here first: its arguments are refused before any rank
+    # starts (and nothing is coerced: empty_expert a bool, balance a number).
+    MoE(d_model, d_ff, n_experts, k, capacity_factor=capacity_factor, routing=routing,
+        seed=seed)
     if world_size % ep:
         raise ValueError(f"ep={ep} must divide world_size={world_size}")
     if n_experts % ep:
@@ -89,8 +93,9 @@ def layer_check(world_size: int = 2, ep: int | None = None, *, tokens: int = 12,
     MoE(d_model, d_ff, n_experts, k, capacity_factor=capacity_factor, routing=routing)  # checks
     spec = {"tokens": check_int("tokens", tokens, lo=1), "d_model": d_model, "d_ff": d_ff,
             "n_experts": n_experts, "k": k, "capacity_factor": capacity_factor,
-            "routing": routing, "empty_expert": bool(empty_expert), "balance": float(balance),
-            "seed": seed}
+            "routing": routing, "empty_expert": check_bool("empty_expert", empty_expert),
+            "balance": check_float("balance", balance, lo=0), "seed": seed}
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     return run(layer_worker, world_size, args=(ep, spec), timeout=timeout,
                deadline=10 * timeout)
 
@@ -141,6 +146,14 @@ def train_check(world_size: int = 4, ep: int = 2, *, steps: int = 3, batch: int 
     ranks) per step and ``weights``, the largest weight difference at the end."""
     world_size = check_int("world_size", world_size, lo=1)
     ep = check_int("ep", ep, lo=1, hi=world_size)
+    n_experts = check_int("n_experts", n_experts, lo=1)
+    k = check_int("k", k, lo=1, hi=n_experts)
+    if capacity_factor is not None:
+        check_float("capacity_factor", capacity_factor, lo=0, lo_open=True)
+    balance = check_float("balance", balance, lo=0)
+    lr = check_float("lr", lr, lo=0, lo_open=True)
+    seed = check_int("seed", seed, lo=0)
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     if world_size % ep or n_experts % ep:
         raise ValueError(f"ep={ep} must divide world_size={world_size} and "
                          f"n_experts={n_experts}")

@@ -95,6 +95,7 @@ def hydra_train(models: Sequence[nn.Sequential], data: Sequence[tuple[torch.Tens
     from parlearn import distributed as dist
 
     _preimport()
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     per_rank = dist.run(_worker_hydra, stages,
                         args=(kind, list(models), list(data), counts, m, steps, lr, specs_in),
                         backend="gloo", timeout=timeout, deadline=4 * timeout)

@@ -100,7 +100,10 @@ def layer_costs(model: nn.Sequential, x: torch.Tensor, *, repeat: int = 5) -> li
 
     check_module("model", model)
     check_tensor("x", x, ndim=2)
+    if not isinstance(model, nn.Sequential):
+        raise TypeError("model must be an nn.Sequential whose elements are the layers")
     repeat = check_int("repeat", repeat, lo=1)
+    _probe(model, x, None)   # x fits the layers, or it names the one that fails (no RNG used)
     costs, h = [], x.detach()
     for layer in model:
         inp = h.detach().requires_grad_(True)
@@ -134,7 +137,7 @@ def _trainable(layers: Sequence[nn.Module]) -> list[nn.Parameter]:
     return out
 
 
-def _probe(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor
+def _probe(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor | None
            ) -> list[tuple[torch.Size, torch.dtype]]:
     """Per-row shape and dtype of every layer's input, then of the model's output: what
     each stage receives, found from the data (a stage may begin with any layer, not only
@@ -156,7 +159,7 @@ def _probe(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor
                                  "micro-batches")
             specs.append((out.shape[1:], out.dtype))
             h = out
-    if specs[-1][0] != y.shape[1:]:
+    if y is not None and specs[-1][0] != y.shape[1:]:
         raise ValueError(f"y has rows of shape {tuple(y.shape[1:])} but the model outputs "
                          f"rows of shape {tuple(specs[-1][0])}")
     return specs

@@ -339,7 +339,7 @@ def _check_pipeline_args(model, x, y, stages, counts):
 
 
 def _micro_list(micro_batches, n: int) -> tuple[list[int], bool]:
-    single = isinstance(micro_batches, int)
+    single = not isinstance(micro_batches, Sequence)   # a number, or something to refuse
     ms = [micro_batches] if single else list(micro_batches)
     if not ms:
         raise ValueError("micro_batches is empty")
@@ -372,6 +372,7 @@ def run_pipeline(kind: str, model: nn.Sequential, x: torch.Tensor, y: torch.Tens
     from parlearn import distributed as dist
 
     _preimport()
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     per_rank = dist.run(_worker_schedule, stages,
                         args=(kind, model, x, y, counts, ms, [specs[a] for a, _ in bounds]),
                         backend="gloo", timeout=timeout, deadline=4 * timeout)

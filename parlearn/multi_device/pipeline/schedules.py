@@ -65,6 +65,15 @@ class Schedule(list):
 
     def __init__(self, orders, kind: str, stages: int, micro_batches: int, chunks: int = 1,
                  placement: str = "loop", overlap=()):
+        if isinstance(orders, (str, bytes)) or not isinstance(orders, (list, tuple)):
+            raise TypeError(f"orders must be a list of op lists (one per rank), got {orders!r}")
+        if not isinstance(kind, str):
+            raise TypeError(f"kind must be a str (a label), got {kind!r}")
+        stages = check_int("stages", stages, lo=1)
+        micro_batches = check_int("micro_batches", micro_batches, lo=1)
+        if len(orders) != stages:
+            raise ValueError(f"orders must hold one op list per rank: stages={stages}, got "
+                             f"{len(orders)}")
         super().__init__([list(ops) for ops in orders])
         self.kind, self.stages, self.micro_batches = kind, stages, micro_batches
         self.chunks = check_int("chunks", chunks, lo=1)

@@ -64,6 +64,11 @@ def dependency(orders: Sequence[Sequence[Op]], rank: int, op: Op) -> tuple[str, 
     """What ``op`` of ``rank`` waits for, as ``(kind, virtual stage, micro-batch)``: ``F`` on
     virtual stage ``g`` needs ``F`` of ``g-1``; ``B`` needs ``B`` of ``g+1`` (on the last
     stage: its own ``F``, the loss); ``W`` its own ``B``. None for the first forward."""
+    if isinstance(orders, (str, bytes)) or not isinstance(orders, Sequence):
+        raise TypeError(f"orders must be a list of op lists (one per rank), got {orders!r}")
+    rank = check_int("rank", rank, lo=0, hi=len(orders) - 1)
+    if not isinstance(op, Op):
+        raise TypeError(f"op must be an Op, got {op!r}")
     place = orders if isinstance(orders, Schedule) else None
     last = (place.virtual_stages if place else len(orders)) - 1
     g = place.stage_of(rank, op.chunk) if place else rank
@@ -73,7 +78,7 @@ def dependency(orders: Sequence[Sequence[Op]], rank: int, op: Op) -> tuple[str, 
         return ("B", g + 1, op.mb) if g < last else ("F", g, op.mb)
     if op.kind == "W":
         return ("B", g, op.mb)
-    raise ValueError(f"unknown op kind {op.kind!r} in orders[{rank}]")
+    raise ValueError(f"op has unknown kind {op.kind!r} (orders[{rank}]); want F, B or W")
 
 
 def simulate(orders: Sequence[Sequence[Op]], cost_f: float | Sequence[float] = 1.0,

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from parlearn.core.checks import check_choice
+from parlearn.core.checks import check_choice, check_float
 from parlearn.multi_device.pipeline.partition import split_layers
 from parlearn.multi_device.pipeline.runtime import (
     _check_pipeline_args,
@@ -77,6 +77,7 @@ def run_torch_pipeline(kind: str, model: nn.Sequential, x: torch.Tensor, y: torc
 
     _preimport()
     import torch.distributed.pipelining  # noqa: F401  (imported once here, not per rank)
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     per_rank = dist.run(_worker_torch, stages, args=(kind, model, x, y, counts, ms),
                         backend="gloo", timeout=timeout, deadline=4 * timeout)
     grads = [[g for r in per_rank for g in r[i]] for i in range(len(ms))]
@@ -144,6 +145,7 @@ def run_torch_zoo(name: str, model: nn.Sequential, x: torch.Tensor, y: torch.Ten
 
     _preimport()
     import torch.distributed.pipelining  # noqa: F401
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     per_rank = dist.run(_worker_torch_zoo, stages, args=(name, model, x, y, ms),
                         backend="gloo", timeout=timeout, deadline=4 * timeout)
     grads = []

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
+from parlearn.core.checks import check_float, check_int
 from parlearn.multi_device.pipeline.partition import partition_equal, split_layers
 from parlearn.multi_device.pipeline.runtime import (
     PipelineRun,
@@ -40,8 +41,11 @@ __all__ = ["run_schedule", "chunk_layers"]
 
 def chunk_layers(n_layers: int, sched: Schedule) -> list[tuple[int, int]]:
     """The layer range ``(start, end)`` of each virtual stage: equal counts, in order."""
+    n_layers = check_int("n_layers", n_layers, lo=1)
+    if not isinstance(sched, Schedule):
+        raise TypeError(f"sched must be a Schedule, got {type(sched).__name__}")
     if n_layers < sched.virtual_stages:
-        raise ValueError(f"the model has {n_layers} layers, fewer than the schedule's "
+        raise ValueError(f"n_layers={n_layers}: the model has fewer layers than the schedule's "
                          f"{sched.virtual_stages} virtual stages")
     return split_layers(n_layers, partition_equal(n_layers, sched.virtual_stages))
 
@@ -196,6 +200,7 @@ def run_schedule(scheds: Schedule | Sequence[Schedule], model: nn.Sequential,
     from parlearn import distributed as dist
 
     _preimport()
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     per_rank = dist.run(_worker, world, args=(scheds, model, x, y, specs), backend="gloo",
                         timeout=timeout, deadline=4 * timeout)
     runs = []

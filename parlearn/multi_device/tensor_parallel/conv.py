@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parlearn.core.checks import check_int, check_module, check_seed
+from parlearn.core.checks import check_float, check_int, check_module, check_seed
 from parlearn.multi_device.tensor_parallel.megatron import CopyToRanks, _chunk, megatron_check
 from parlearn.multi_device.tensor_parallel.movements import RankHaloExchange
 from parlearn.multi_device.tensor_parallel.plan import Conv, Dense, best_one_cut, plan_collectives
@@ -70,6 +70,8 @@ def serial_conv(c_in: int, c_out: int, kernel: int, seed: int | torch.Generator 
     if kernel % 2 == 0:
         raise ValueError(f"kernel must be odd (same padding), got {kernel}")
     seed = check_seed("seed", seed)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     g = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         conv = nn.Conv1d(c_in, c_out, kernel, padding=(kernel - 1) // 2).to(dtype)
@@ -116,6 +118,11 @@ def halo_conv_check(world_size: int, batch: int = 2, c_in: int = 3, c_out: int =
     gradients of every rank), and ``"ledger"``: every rank's ledger summaries."""
     from parlearn.distributed import run
 
+    batch, c_in, c_out = (check_int(n, v, lo=1) for n, v in
+                          (("batch", batch), ("c_in", c_in), ("c_out", c_out)))
+    kernel = check_int("kernel", kernel, lo=1)
+    seed = check_int("seed", seed, lo=0)   # the ranks rebuild the conv from it: an int
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     world_size = check_int("world_size", world_size, lo=1)
     length = check_int("length", length, lo=1)
     if length % world_size or length // world_size < (kernel - 1) // 2:

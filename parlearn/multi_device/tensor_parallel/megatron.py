@@ -28,7 +28,13 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
 
-from parlearn.core.checks import check_int, check_module, check_seed, check_tensor
+from parlearn.core.checks import (
+    check_float,
+    check_int,
+    check_module,
+    check_seed,
+    check_tensor,
+)
 from parlearn.multi_device.tensor_parallel._agree import agree
 
 __all__ = ["CopyToRanks", "SumOverRanks", "ColumnParallelLinear", "RowParallelLinear",
@@ -85,6 +91,18 @@ class SumOverRanks(torch.autograd.Function):
         return grad, None
 
 
+def _check_linear(full) -> None:
+    check_module("full", full)
+    if not isinstance(full, nn.Linear):
+        raise TypeError(f"full must be an nn.Linear, got {type(full).__name__}")
+
+
+def _check_dtype(dtype) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    return dtype
+
+
 def _chunk(n: int, rank: int, world_size: int) -> slice:
     if n % world_size:
         raise ValueError(f"width {n} must be divisible by world_size={world_size}")
@@ -99,7 +117,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, full: nn.Linear, rank: int, world_size: int):
         super().__init__()
-        check_module("full", full)
+        _check_linear(full)
         world_size = check_int("world_size", world_size, lo=1)
         rank = check_int("rank", rank, lo=0, hi=world_size - 1)
         part = _chunk(full.out_features, rank, world_size)
@@ -118,7 +136,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, full: nn.Linear, rank: int, world_size: int):
         super().__init__()
-        check_module("full", full)
+        _check_linear(full)
         world_size = check_int("world_size", world_size, lo=1)
         rank = check_int("rank", rank, lo=0, hi=world_size - 1)
         part = _chunk(full.in_features, rank, world_size)
@@ -184,6 +202,7 @@ def serial_mlp(d_model: int, d_hidden: int, seed: int | torch.Generator = 0,
     d_model = check_int("d_model", d_model, lo=1)
     d_hidden = check_int("d_hidden", d_hidden, lo=1)
     seed = check_seed("seed", seed)
+    dtype = _check_dtype(dtype)
     act = nn.GELU() if activation is None else copy.deepcopy(
         check_module("activation", activation))
     g = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
@@ -257,8 +276,14 @@ def megatron_check(world_size: int, batch: int = 4, d_model: int = 8, d_hidden: 
     from parlearn.distributed import run
 
     world_size = check_int("world_size", world_size, lo=1)
+    batch = check_int("batch", batch, lo=1)
+    seed = check_int("seed", seed, lo=0)   # the ranks rebuild the block from it: an int
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     full = serial_mlp(d_model, d_hidden, seed, activation=activation)
     _check_block(full)   # refused here, before the ranks start
+    if d_hidden % world_size:
+        raise ValueError(f"d_hidden={d_hidden} must be divisible by world_size={world_size} "
+                         f"(the column and row split)")
     x, w = _inputs(batch, d_model, seed, torch.float64)
     x = x.requires_grad_(True)
     (full(x) * w).sum().backward()

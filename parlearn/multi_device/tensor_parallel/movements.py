@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as tdist
 
-from parlearn.core.checks import check_choice, check_int, check_seed
+from parlearn.core.checks import check_choice, check_int, check_seed, check_tensor
 
 __all__ = ["MOVEMENTS", "movement", "dot_product_test", "movement_matrix",
            "RankBroadcast", "RankSumReduce", "RankScatter", "RankGather", "RankAllGather",
@@ -138,8 +138,30 @@ def movement(name: str, pieces: Sequence[torch.Tensor], p: int) -> Pieces:
     ranks, differentiably: its backward is the hand-written adjoint."""
     check_choice("name", name, MOVEMENTS)
     p = check_int("p", p, lo=1)
-    pieces = list(pieces)
+    _check_pieces(name, pieces, p)
     return list(_Movement.apply(name, p, *pieces))
+
+
+def _check_pieces(name: str, pieces, p: int) -> None:
+    """``pieces`` the per-rank 2-D tensors movement ``name`` takes over ``p`` ranks: as many
+    as it maps, of the shapes :data:`MOVEMENTS` gives for the sizes the first one implies
+    (nothing silently dropped, broadcast or cut)."""
+    if isinstance(pieces, (str, bytes)) or not isinstance(pieces, Sequence) or not pieces:
+        raise TypeError(f"pieces must be a non-empty list of tensors, got {pieces!r}")
+    for t in pieces:
+        check_tensor("pieces", t, ndim=2)
+    rows, cols = pieces[0].shape
+    if name in ("scatter", "reduce_scatter", "cols_to_rows"):
+        rows = rows // p if rows % p == 0 else -1
+    elif name == "rows_to_cols":
+        cols = cols // p if cols % p == 0 else -1
+    elif name == "halo_add":
+        cols -= 2
+    want = MOVEMENTS[name][2](p, rows, cols) if min(rows, cols) >= 1 else None
+    got = [tuple(t.shape) for t in pieces]
+    if want is None or got != [tuple(s) for s in want]:
+        raise ValueError(f"pieces of shapes {got} do not fit movement {name!r} over p={p} "
+                         f"ranks (it takes shapes like {MOVEMENTS[name][2](p, 2, 3)})")
 
 
 def _inner(a: Pieces, b: Pieces) -> torch.Tensor:

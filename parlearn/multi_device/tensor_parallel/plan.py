@@ -75,6 +75,10 @@ class Dense:
     cuts: ClassVar[tuple[str, ...]] = CUTS
     axis: ClassVar[dict[str, int]] = {"batch": 0, "row": 1, "column": 2}  # dim each cut divides
 
+    def __post_init__(self):
+        check_int("d_in", self.d_in, lo=1)
+        check_int("d_out", self.d_out, lo=1)
+
     def dims(self, batch: int) -> tuple[int, ...]:
         return (batch, self.d_in, self.d_out)
 
@@ -121,6 +125,12 @@ class Conv:
     cuts: ClassVar[tuple[str, ...]] = CONV_CUTS
     axis: ClassVar[dict[str, int]] = {"batch": 0, "row": 1, "column": 2, "spatial": 3}
 
+    def __post_init__(self):
+        for name in ("c_in", "c_out", "length", "kernel"):
+            check_int(name, getattr(self, name), lo=1)
+        if self.kernel % 2 == 0:
+            raise ValueError(f"kernel must be odd (same padding), got {self.kernel}")
+
     def dims(self, batch: int) -> tuple[int, ...]:
         return (batch, self.c_in, self.c_out, self.length)
 
@@ -166,13 +176,15 @@ def network(net: Sequence) -> list[Layer]:
     """``net`` as a list of layers: widths ``(d_0, ..., d_L)`` of a chain of :class:`Dense`
     layers, or a list of :class:`Dense` / :class:`Conv` layers whose sizes chain (a layer's
     input features equal the previous layer's output features)."""
+    if isinstance(net, (str, bytes)) or not isinstance(net, Sequence):
+        raise TypeError(f"net must be a list of widths or of Dense/Conv layers, got {net!r}")
     net = list(net)
     if net and all(isinstance(n, Dense | Conv) for n in net):
         layers = net
     else:
-        widths = [check_int("widths", w, lo=1) for w in net]
+        widths = [check_int("net", w, lo=1) for w in net]
         if len(widths) < 2:
-            raise ValueError("widths needs at least 2 entries (one layer)")
+            raise ValueError(f"net needs at least 2 widths (one layer), got {net}")
         layers = [Dense(widths[i], widths[i + 1]) for i in range(len(widths) - 1)]
     for layer in layers:
         for name, v in vars(layer).items():
@@ -181,7 +193,7 @@ def network(net: Sequence) -> list[Layer]:
             raise ValueError(f"kernel must be odd (same padding), got {layer.kernel}")
     for a, b in itertools.pairwise(layers):
         if a.out_features() != b.in_features():
-            raise ValueError(f"layer sizes do not chain: {a} gives {a.out_features()} "
+            raise ValueError(f"net: layer sizes do not chain: {a} gives {a.out_features()} "
                              f"features, {b} takes {b.in_features()}")
     return layers
 
@@ -236,12 +248,25 @@ def _level_terms(layers: list[Layer], dims: list[Sequence[int]], cuts: Sequence[
     return out
 
 
-def _check_cuts(layers: list[Layer], cuts: Sequence[str]) -> None:
+def _check_cuts(layers: list[Layer], cuts: Sequence[str], name: str = "cuts",
+                dims: list[Sequence[int]] | None = None, groups: int | None = None) -> None:
+    """``cuts`` one cut name per layer; with ``dims`` and ``groups``, each cut must divide
+    its dimension evenly (a modeled uneven split would be silently wrong bytes)."""
+    if isinstance(cuts, (str, bytes)) or not isinstance(cuts, Sequence):
+        raise TypeError(f"{name} must be a list of cut names, got {cuts!r}")
     if len(cuts) != len(layers):
-        raise ValueError(f"cuts must have one entry per layer ({len(layers)}), "
+        raise ValueError(f"{name} must have one entry per layer ({len(layers)}), "
                          f"got {len(cuts)}")
-    for layer, cut in zip(layers, cuts, strict=True):
-        check_choice("cuts", cut, layer.cuts)
+    for i, (layer, cut) in enumerate(zip(layers, cuts, strict=True)):
+        check_choice(name, cut, layer.cuts)
+        if dims is not None and groups is not None and cut not in _feasible(
+                layer, dims[i], groups, [cut]):
+            raise ValueError(f"{name}[{i}]={cut!r} must split {layer} evenly: local dims "
+                             f"{tuple(dims[i])} (batch first) over groups={groups}")
+
+
+def _check_itemsize(itemsize) -> int:
+    return check_int("itemsize", itemsize, lo=1)
 
 
 def plan_collectives(cuts: Sequence[str], batch: int, net: Sequence, groups: int = 2,
@@ -253,8 +278,10 @@ def plan_collectives(cuts: Sequence[str], batch: int, net: Sequence, groups: int
     layers = network(net)
     batch = check_int("batch", batch, lo=1)
     groups = check_int("groups", groups, lo=2)
-    _check_cuts(layers, cuts)
-    return _level_terms(layers, [x.dims(batch) for x in layers], cuts, groups, itemsize)
+    itemsize = _check_itemsize(itemsize)
+    dims = [x.dims(batch) for x in layers]
+    _check_cuts(layers, cuts, dims=dims, groups=groups)
+    return _level_terms(layers, dims, cuts, groups, itemsize)
 
 
 def plan_cost(cuts: Sequence[str], batch: int, net: Sequence, groups: int = 2,
@@ -290,8 +317,12 @@ def best_one_cut(batch: int, net: Sequence, groups: int = 2, itemsize: int = 4,
     layers = network(net)
     batch = check_int("batch", batch, lo=1)
     groups = check_int("groups", groups, lo=2)
+    itemsize = _check_itemsize(itemsize)
     dims = [x.dims(batch) for x in layers]
     if allowed is not None:
+        if isinstance(allowed, (str, bytes)) or not isinstance(allowed, Sequence) or any(
+                isinstance(a, (str, bytes)) or not isinstance(a, Sequence) for a in allowed):
+            raise TypeError(f"allowed must be a list of cut-name lists, got {allowed!r}")
         if len(allowed) != len(layers):
             raise ValueError(f"allowed must have one entry per layer ({len(layers)})")
         for layer, a in zip(layers, allowed, strict=True):
@@ -323,7 +354,13 @@ def brute_force_cut(batch: int, net: Sequence, groups: int = 2,
                     itemsize: int = 4) -> tuple[list[str], float]:
     """The serial reference of :func:`best_one_cut`: every plan of evenly dividing cuts."""
     layers = network(net)
+    batch = check_int("batch", batch, lo=1)
+    groups = check_int("groups", groups, lo=2)
+    itemsize = _check_itemsize(itemsize)
     states = [_feasible(x, x.dims(batch), groups) for x in layers]
+    if not all(states):
+        raise ValueError(f"no plan: a layer of net has no cut that divides evenly over "
+                         f"groups={groups} at batch={batch}")
     return min(((list(p), plan_cost(p, batch, layers, groups, itemsize))
                 for p in itertools.product(*states)), key=lambda t: t[1])
 

@@ -108,6 +108,13 @@ def bytes_by_kind(ops: Sequence[tuple]) -> dict[str, int]:
     """Total payload bytes per collective kind of ``ops`` (tuples ending ``kind, bytes``,
     as :func:`plan_collectives` and :func:`hlo_collectives` give them). Totals, not op
     lists, are what to compare: XLA fuses several all-reduces into one tuple-shaped op."""
+    if isinstance(ops, (str, bytes)) or not isinstance(ops, Sequence):
+        raise TypeError(f"ops must be a list of tuples ending (kind, bytes), got {ops!r}")
+    for op in ops:
+        if (not isinstance(op, (list, tuple)) or len(op) < 2 or not isinstance(op[-2], str)
+                or isinstance(op[-1], bool) or not isinstance(op[-1], int) or op[-1] < 0):
+            raise ValueError(f"ops must hold tuples ending (kind, bytes >= 0 as an int), got "
+                             f"{op!r}")
     out: dict[str, int] = {}
     for *_, kind, nbytes in ops:
         out[kind] = out.get(kind, 0) + int(nbytes)

@@ -31,6 +31,7 @@ from parlearn.multi_device.tensor_parallel.plan import (
     _best_dims,
     _chain_dp,
     _check_cuts,
+    _check_itemsize,
     _conversion,
     _cost,
     _feasible,
@@ -59,12 +60,18 @@ def plan_levels_cost(per_level: Sequence[Sequence[str]], batch: int, net: Sequen
     levels left. Every cut must halve an even size."""
     layers = network(net)
     dims = [x.dims(check_int("batch", batch, lo=1)) for x in layers]
+    itemsize = _check_itemsize(itemsize)
+    if isinstance(per_level, (str, bytes)) or not isinstance(per_level, Sequence) or not (
+            per_level):
+        raise TypeError(f"per_level must be a non-empty list of cut lists, got {per_level!r}")
+    for cuts in per_level:   # every level's names checked before any cost is summed
+        _check_cuts(layers, cuts, "per_level")
     total = 0.0
     for cuts in per_level:
-        _check_cuts(layers, cuts)
         for x, d, c in zip(layers, dims, cuts, strict=True):
             if d[x.axis[c]] % 2:
-                raise ValueError(f"a {c} cut needs an even size, got local dims {d} of {x}")
+                raise ValueError(f"per_level: a {c} cut needs an even size, got local dims "
+                                 f"{d} of {x} (batch={batch})")
         total += _cost((2, t) for t in _level_terms(layers, dims, cuts, 2, itemsize))
         dims = [_halve(x, d, c) for x, d, c in zip(layers, dims, cuts, strict=True)]
     return total
@@ -80,12 +87,13 @@ def recursive_plan(batch: int, net: Sequence, levels: int,
     levels = check_int("levels", levels, lo=1)
     layers = network(net)
     batch = check_int("batch", batch, lo=1)
+    itemsize = _check_itemsize(itemsize)
     dims = [x.dims(batch) for x in layers]
     per_level, total = [], 0.0
     for _ in range(levels):
         states = [_feasible(x, d, 2) for x, d in zip(layers, dims, strict=True)]
         if not all(states):
-            raise ValueError(f"a layer has no even size left to cut at level "
+            raise ValueError(f"levels={levels}: a layer has no even size left to cut at level "
                              f"{len(per_level) + 1}: local dims {dims}")
         cuts, cost = _best_dims(layers, dims, states, 2, itemsize)
         per_level.append(cuts)
@@ -101,6 +109,8 @@ def _sequences(layer: Layer, dims: Sequence[int], levels: int) -> list[tuple]:
     for _ in range(levels):
         out = [(seq + (c,), ds + (_halve(layer, ds[-1], c),))
                for seq, ds in out for c in _feasible(layer, ds[-1], 2)]
+        if not out:   # no even size left: more levels cannot bring one back
+            break
     return [(seq, ds[:-1]) for seq, ds in out]
 
 
@@ -114,9 +124,11 @@ def joint_plan(batch: int, net: Sequence, levels: int,
     levels = check_int("levels", levels, lo=1)
     layers = network(net)
     batch = check_int("batch", batch, lo=1)
+    itemsize = _check_itemsize(itemsize)
     seqs = [_sequences(x, x.dims(batch), levels) for x in layers]
     if not all(seqs):
-        raise ValueError(f"a layer cannot be halved {levels} times evenly")
+        raise ValueError(f"levels={levels}: a layer of net cannot be halved that many times "
+                         f"evenly at batch={batch}")
 
     def node(i, s):
         return _cost((2, t) for c, d in zip(*s, strict=True)
@@ -135,7 +147,10 @@ def brute_force_joint(batch: int, net: Sequence, levels: int,
                       itemsize: int = 4) -> tuple[list[list[str]], float]:
     """The serial reference of :func:`joint_plan`: :func:`plan_levels_cost` of every
     ``levels``-level tiling of evenly dividing cuts."""
+    levels = check_int("levels", levels, lo=1)
     layers = network(net)
+    batch = check_int("batch", batch, lo=1)
+    itemsize = _check_itemsize(itemsize)
     seqs = [[s for s, _ in _sequences(x, x.dims(batch), levels)] for x in layers]
     best = None
     for combo in itertools.product(*seqs):
@@ -144,7 +159,8 @@ def brute_force_joint(batch: int, net: Sequence, levels: int,
         if best is None or cost < best[1]:
             best = (per_level, cost)
     if best is None:
-        raise ValueError(f"a layer cannot be halved {levels} times evenly")
+        raise ValueError(f"levels={levels}: a layer of net cannot be halved that many times "
+                         f"evenly at batch={batch}")
     return best
 
 
@@ -192,6 +208,7 @@ def two_level_plan(batch: int, net: Sequence, devices: int, microbatches: int,
     m = check_int("microbatches", microbatches, lo=1)
     flops_per_s = check_float("flops_per_s", flops_per_s, lo=0, lo_open=True)
     bytes_per_s = check_float("bytes_per_s", bytes_per_s, lo=0, lo_open=True)
+    itemsize = _check_itemsize(itemsize)
     if batch % m:
         raise ValueError(f"batch {batch} must be divisible by microbatches={m}")
     n_layers, mb = len(layers), batch // m
