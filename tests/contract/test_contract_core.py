@@ -283,6 +283,8 @@ COVERED_ELSEWHERE.update({
     "parlearn.distributed.collectives.ring_all_gather":
         "tests/distributed/test_worker_contract.py::test_ring_collectives_refuse_non_tensors",
     "parlearn.bench.main": "tests/test_bench.py::test_unknown_benchmark_is_refused",
+    "parlearn.distributed.agree.agree": "tests/multi_device/test_context_parallel.py::"
+        "test_ring_attention_checks_dtypes_and_agreement_before_the_first_send",
     "parlearn.distributed.measure.ring_vs_gloo":
         "tests/distributed/test_measure.py::test_study_refuses_bad_arguments_naming_them",
 })
@@ -297,6 +299,7 @@ EXEMPT: dict[str, str] = {
     "parlearn.distributed.traffic.Record": "a record the ledger writes; users only read it",
     "parlearn.core.timing.Timing": "a result record measure() builds; users only read it",
     "parlearn.core.timing.Comparison": "a result record compare() builds; users only read it",
+    "parlearn.distributed.agree.describe": "takes any object and returns a summary of it",
     "parlearn.core.bench.Row": "a bench table row that bench functions build and print",
     "parlearn.distributed.launch.RankError": "an exception run() raises, not called by users",
     "parlearn.distributed.collectives.hello": "a worker of (rank, world_size) only, which run() "

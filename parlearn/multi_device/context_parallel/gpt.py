@@ -21,10 +21,10 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 
 from parlearn.core.checks import check_choice, check_float, check_int, check_tensor
+from parlearn.distributed.agree import agree
 from parlearn.multi_device.context_parallel.blocks import LAYOUTS, shard_index
 from parlearn.multi_device.context_parallel.ring import ring_attention
 from parlearn.multi_device.context_parallel.ulysses import ulysses_attention
-from parlearn.multi_device.tensor_parallel._agree import agree
 from parlearn.multi_device.transformer.corpus import get_batch, pydoc_corpus
 from parlearn.multi_device.transformer.model import GPT, GPTConfig, _rotate_half
 

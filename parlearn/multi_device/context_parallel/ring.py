@@ -27,6 +27,7 @@ import torch
 import torch.distributed as tdist
 
 from parlearn.core.checks import check_bool, check_choice, check_int, check_tensor
+from parlearn.distributed.agree import agree
 from parlearn.multi_device.context_parallel.blocks import (
     LAYOUTS,
     block_attention,
@@ -34,7 +35,6 @@ from parlearn.multi_device.context_parallel.blocks import (
     merge,
     shard_chunks,
 )
-from parlearn.multi_device.tensor_parallel._agree import agree
 
 __all__ = ["ring_attention", "RingAttention"]
 

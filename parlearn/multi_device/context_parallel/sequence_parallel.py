@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parlearn.core.checks import check_int, check_module, check_tensor
-from parlearn.multi_device.tensor_parallel._agree import agree
+from parlearn.distributed.agree import agree
 from parlearn.multi_device.tensor_parallel.megatron import CopyToRanks, SumOverRanks
 
 __all__ = ["GatherSequence", "ScatterSequence", "SequenceParallelBlock", "TensorParallelBlock",

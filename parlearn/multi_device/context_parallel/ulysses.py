@@ -23,8 +23,8 @@ import torch
 import torch.distributed as tdist
 
 from parlearn.core.checks import check_bool, check_choice, check_int, check_tensor
+from parlearn.distributed.agree import agree
 from parlearn.multi_device.context_parallel.blocks import LAYOUTS, shard_chunks, shard_index
-from parlearn.multi_device.tensor_parallel._agree import agree
 
 __all__ = ["AllToAll", "ulysses_attention"]
 

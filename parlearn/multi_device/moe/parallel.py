@@ -31,9 +31,9 @@ import torch.distributed as tdist
 from torch import nn
 
 from parlearn.core.checks import check_int, check_module, check_tensor
+from parlearn.distributed.agree import agree
 from parlearn.multi_device.moe.layer import MoE, moe_layers
 from parlearn.multi_device.moe.router import Routing
-from parlearn.multi_device.tensor_parallel._agree import agree
 
 __all__ = ["AllToAll", "ExpertParallelMoE", "mesh_groups", "to_expert_parallel", "sync_grads"]
 

@@ -39,6 +39,7 @@ import torch.distributed as tdist
 from torch import nn
 
 from parlearn.core.checks import check_bool, check_module
+from parlearn.distributed.agree import agree
 
 __all__ = ["MixedPrecisionPolicy", "shard_module", "ShardedModule"]
 
@@ -340,12 +341,8 @@ def shard_module(module: nn.Module, *, group: Any = None,
     if module not in units:
         units.append(module)
     _refuse_batch_statistics(module)
-    sig = [(n, tuple(p.shape), str(p.dtype), p.requires_grad)
-           for n, p in module.named_parameters()]
-    everyone: list = [None] * tdist.get_world_size(group)
-    tdist.all_gather_object(everyone, sig, group=group)
-    if any(other != sig for other in everyone):
-        raise ValueError("module differs between ranks (names, shapes, dtypes or "
-                         "requires_grad): every rank must shard the same model")
+    agree({"module (parameter names, shapes, dtypes, requires_grad)":
+           [(n, tuple(p.shape), str(p.dtype), p.requires_grad)
+            for n, p in module.named_parameters()]}, group=group)
     module.fsdp = ShardedModule(module, units, group, policy, reshard_after_forward)
     return module

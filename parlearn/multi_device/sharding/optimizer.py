@@ -33,6 +33,7 @@ import torch
 import torch.distributed as tdist
 
 from parlearn.core.checks import check_bool, check_choice, check_float
+from parlearn.distributed.agree import agree
 
 __all__ = ["ShardedOptimizer", "owners"]
 
@@ -180,14 +181,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             p.grad = None
 
     def _check_agreement(self, params: list[torch.Tensor]) -> None:
-        sig = [(tuple(p.shape), str(p.dtype)) for p in params]
-        everyone: list = [None] * self.world
-        tdist.all_gather_object(everyone, sig, group=self.group)
-        for r, other in enumerate(everyone):
-            if other != sig:
-                raise ValueError(f"params differ between ranks (this rank has {len(sig)} "
-                                 f"tensors, rank {r} {len(other)}, or their shapes differ): "
-                                 "pass the same parameters in the same order on every rank")
+        agree({"params (shapes and dtypes, in order)":
+               [(tuple(p.shape), str(p.dtype)) for p in params]}, group=self.group)
         self._agreed = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:

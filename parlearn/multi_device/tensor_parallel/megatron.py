@@ -35,7 +35,7 @@ from parlearn.core.checks import (
     check_seed,
     check_tensor,
 )
-from parlearn.multi_device.tensor_parallel._agree import agree
+from parlearn.distributed.agree import agree
 
 __all__ = ["CopyToRanks", "SumOverRanks", "ColumnParallelLinear", "RowParallelLinear",
            "ELEMENTWISE", "MegatronMLP", "serial_mlp", "megatron_worker", "megatron_check"]

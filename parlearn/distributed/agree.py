@@ -27,6 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from parlearn.distributed import traffic
+
+__all__ = ["agree", "describe"]
+
 
 def describe(t: Any) -> Any:
     """A picklable summary of ``t`` to compare across ranks: ``(shape, dtype)`` of a
@@ -40,8 +44,6 @@ def describe(t: Any) -> Any:
 def _unrecorded() -> Iterator[None]:
     # The ledger skips collectives issued while its depth marker is set (a collective inside
     # another is not counted twice); set it so the agreement is not counted as payload.
-    from parlearn.distributed import traffic
-
     depth = getattr(traffic._inside, "depth", 0)
     traffic._inside.depth = 1
     try:
