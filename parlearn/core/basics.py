@@ -152,8 +152,9 @@ def batching_model(n, size: int, alpha: float, beta: float) -> dict:
     ``n`` may be an array.
     """
     n = _real_array("n", n)
-    if np.any(n < 1) or np.any(n != np.round(n)):
-        raise ValueError(f"n must be a whole number >= 1 (or an array of them), got {n!r}")
+    # n may be fractional: the model is a smooth curve, which lessons draw on a dense grid.
+    if np.any(n < 1):
+        raise ValueError(f"n must be >= 1 (or an array of such), got {n!r}")
     size = check_int("size", size, lo=1)
     alpha = check_float("alpha", alpha, lo=0)
     beta = check_float("beta", beta, lo=0)

@@ -113,6 +113,7 @@ CASES = [
          legal={"a": [NAN_TENSOR], "b": [NAN_TENSOR]}, check=_bmm_equals_loop),
     Case("parlearn.core.basics.batching_model",
          lambda: dict(n=8, size=4, alpha=1e-5, beta=1e-9), bad={"n": [np.array([2, 0])]},
+         legal={"n": [8.5]},   # a smooth curve: lessons draw it on a dense grid
          ranges={"n": (1, None), "size": (1, None), "alpha": (0.0, None), "beta": (0.0, None)}),
     Case("parlearn.core.models.mlp", lambda: dict(widths=[4, 3, 2], seed=0),
          ranges={"seed": (0, None)}, bad={"widths": [[4], [4, 0, 2], [4, True], [4, 2.0]]}),
