@@ -4,7 +4,8 @@ FSDP2's ``fully_shard`` turns a module's parameters into shards that any optimiz
 this does the same from ``torch.distributed`` collectives, small enough to read:
 
 - A *unit* is a group of parameters gathered together: by default each top-level child that
-  owns parameters, and the root for what is left. A unit's parameters are laid end to end in
+  owns parameters (the children of a ModuleList, such as transformer blocks), and the root
+  for what is left. A unit's parameters are laid end to end in
   one flat buffer padded to a multiple of N (lesson 12's ``FlatShard``); rank r keeps elements
   ``[r S, (r+1) S)`` as an ``nn.Parameter`` (``S = padded / N``). Those shards are all that
   ``model.parameters()`` yields, so ``torch.optim.AdamW(model.parameters())`` updates shards.
@@ -22,6 +23,11 @@ Frozen parameters (``requires_grad=False``) sit in a unit's second buffer, gathe
 gradient; a parameter shared by two units is refused (put the modules in one unit with
 ``units=``). BatchNorm in training mode is refused: each rank's batch statistics differ.
 
+Param groups see shards, not tensors: a unit's shard holds its matrices and its norms and
+biases end to end, so "no weight decay on norms and biases" cannot pick them out (FSDP2
+shards each tensor as a DTensor and can). Here, put such tensors in units of their own, or
+decay them all. :meth:`ShardedModule.clip_grad_norm_` clips by the norm over all ranks.
+
 Memory per rank (modeled, :meth:`ShardedModule.held_bytes` measures it): every unit's shard
 (``padded / N`` elements) and, while a unit runs, that unit's gathered buffer.
 """
@@ -38,7 +44,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from parlearn.core.checks import check_bool, check_module
+from parlearn.core.checks import check_bool, check_float, check_module
 from parlearn.distributed.agree import agree
 
 __all__ = ["MixedPrecisionPolicy", "shard_module", "ShardedModule"]
@@ -256,6 +262,26 @@ class ShardedModule:
         self._sync = check_bool("requires", requires)
 
     @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model: each rank holds a shard of
+        every gradient, so the shards' ``norm_type`` powers are summed over the ranks (one
+        all-reduce) before every shard is scaled by the same factor. Padding has gradient 0
+        and adds nothing. Returns the total norm before clipping."""
+        max_norm = check_float("max_norm", max_norm, lo=0, lo_open=True)
+        norm_type = check_float("norm_type", norm_type, lo=1)
+        grads = [f.shard.grad for _, fs in self.units for f in fs if f.shard.grad is not None]
+        total = torch.zeros((), dtype=torch.float64)
+        for g in grads:
+            total += g.detach().double().abs().pow(norm_type).sum().cpu()
+        tdist.all_reduce(total, group=self.group)
+        norm = total.pow(1.0 / norm_type)
+        coef = max_norm / (float(norm) + 1e-6)
+        if coef < 1:
+            for g in grads:
+                g.mul_(coef)
+        return norm
+
+    @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter, gathered, under its original name (a collective: call it on every
         rank), plus the buffers: what ``module.state_dict()`` was before sharding."""
@@ -303,9 +329,18 @@ def _own_modules(unit: nn.Module, units: list[nn.Module]) -> list[tuple[str, nn.
 
 
 def _default_units(module: nn.Module) -> list[nn.Module]:
-    children = [c for c in dict.fromkeys(module.children())
-                if any(True for _ in c.parameters())]
-    return [*children, module]
+    """Each top-level child with parameters; a ModuleList/ModuleDict (never called itself,
+    so its hooks would never run) gives its own children instead, as FSDP users shard each
+    transformer block."""
+    out: list[nn.Module] = []
+    todo = list(dict.fromkeys(module.children()))
+    while todo:
+        child = todo.pop(0)
+        if isinstance(child, nn.ModuleList | nn.ModuleDict):
+            todo[:0] = list(dict.fromkeys(child.children()))
+        elif any(True for _ in child.parameters()):
+            out.append(child)
+    return [*dict.fromkeys(out), module]
 
 
 def _refuse_batch_statistics(module: nn.Module) -> None:
@@ -338,6 +373,9 @@ def shard_module(module: nn.Module, *, group: Any = None,
     for i, u in enumerate(units):
         if not isinstance(u, nn.Module) or id(u) not in inside:
             raise ValueError(f"units[{i}] must be a submodule of module, got {type(u).__name__}")
+        if isinstance(u, nn.ModuleList | nn.ModuleDict):
+            raise ValueError(f"units[{i}] is a {type(u).__name__}, which is never called, so "
+                             "its parameters could not be gathered: pass its children")
     if module not in units:
         units.append(module)
     _refuse_batch_statistics(module)
