@@ -560,3 +560,35 @@ def test_dp_wrappers_on_the_zoo_equal_one_process_or_refuse_up_front():
                         else:
                             torch.testing.assert_close(g["snaps"][t][n], v, rtol=0, atol=atol,
                                                        msg=f"{kind} {name} {dtype} {t} {n}")
+
+
+def test_dp_wrappers_refuse_bad_arguments_naming_them_before_any_rank_work():
+    """No process group exists here: each refusal comes from the argument checks, which run
+    before the wrappers look for ranks, broadcast or hook anything."""
+    net = D.TiedMLP(2, 2, 2)
+    for wrap in (D.NaiveDP, D.BucketedDP, D.CompressedDP):
+        for module in ("a model", None, 3):
+            with pytest.raises(TypeError, match="module"):
+                wrap(module)
+        for record in (1, "yes", None):
+            with pytest.raises(TypeError, match="record"):
+                wrap(net, record=record)
+    for bucket_bytes in (0, -1, True, 2.5, "1MB"):
+        with pytest.raises((TypeError, ValueError), match="bucket_bytes"):
+            D.BucketedDP(net, bucket_bytes=bucket_bytes)
+    for flag in ("error_feedback", "reference_coding"):
+        with pytest.raises(TypeError, match=flag):
+            D.CompressedDP(net, **{flag: 1})
+    with pytest.raises(TypeError, match="module"):
+        D.make_ddp("a model")
+    with pytest.raises((TypeError, ValueError), match="bucket_bytes"):
+        D.make_ddp(net, bucket_bytes=True)
+    bn = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    for wrap in (D.NaiveDP, D.BucketedDP, D.CompressedDP):
+        with pytest.raises(ValueError, match="BatchNorm1d"):
+            wrap(bn)
+    for kind in ("zero", True, 1):
+        with pytest.raises(ValueError, match="kind"):
+            D.worker_train(0, 1, kind, net, [], [], 0.1)
+    with pytest.raises((TypeError, ValueError), match="accum"):
+        D.worker_train(0, 1, "naive", net, [], [], 0.1, accum=0)

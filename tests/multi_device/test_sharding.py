@@ -3,6 +3,7 @@ memory and bytes sent equal their models, and the JAX update with psum_scatter i
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -442,3 +443,19 @@ def test_sharded_adam_on_the_zoo_equals_torch_adam_or_refuses_up_front():
                 for t, w in enumerate(want):
                     torch.testing.assert_close(got["params"][t], w, rtol=0, atol=atol,
                                                msg=f"stage {stage} {name} {dtype} step {t}")
+
+
+def test_sharded_adam_refuses_bad_arguments_naming_them_before_looking_for_ranks():
+    """No process group here: every refusal comes from the argument checks, first."""
+    net = S.mlp((2, 2))
+    for kwargs, name in [(dict(stage=4), "stage"), (dict(stage=True), "stage"),
+                         (dict(stage=1, lr=0.0), "lr"), (dict(stage=1, lr=math.nan), "lr"),
+                         (dict(stage=1, lr=True), "lr"), (dict(stage=1, betas=(0.9,)), "betas"),
+                         (dict(stage=1, betas=(1.0, 0.9)), "betas"),
+                         (dict(stage=1, betas=[0.9, 0.99]), "betas"),
+                         (dict(stage=1, eps=-1.0), "eps"), (dict(stage=1, eps="0"), "eps")]:
+        with pytest.raises((TypeError, ValueError), match=name):
+            S.ShardedAdam(net, **kwargs)
+    bn = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    with pytest.raises(ValueError, match="BatchNorm1d"):
+        S.ShardedAdam(bn, stage=1)

@@ -109,9 +109,9 @@ def steps_samples_model(batch, b_noise: float, s_min: float) -> dict:
     b_noise = check_float("b_noise", b_noise, lo=0, lo_open=True)
     s_min = check_float("s_min", s_min, lo=0, lo_open=True)
     many = isinstance(batch, (Sequence, torch.Tensor)) or hasattr(batch, "__array__")
-    bs = [float(b) for b in (batch if many else [batch])]
-    for b in bs:
-        check_float("batch", b, lo=0, lo_open=True)
+    # Each entry checked as given: float(True) would pass for a batch of 1.
+    raw = batch.tolist() if isinstance(batch, torch.Tensor) else batch
+    bs = [check_float("batch", b, lo=0, lo_open=True) for b in (raw if many else [raw])]
     steps = [s_min * (1 + b_noise / b) for b in bs]
     samples = [s * b for s, b in zip(steps, bs, strict=True)]
     out = {"batch": bs, "steps": steps, "samples": samples, "e_min": s_min * b_noise}

@@ -95,8 +95,13 @@ def frontier_samples(rows: Sequence[dict], steps: float) -> float | None:
     """Examples a fixed batch needs to reach the target in ``steps`` steps, interpolated
     (log-log, between neighbouring batches) on the measured rows of :func:`batch_sweep`;
     None when ``steps`` lies outside the swept range."""
-    pts = sorted((r["steps"], r["samples"]) for r in rows if r["steps"] is not None)
+    if isinstance(rows, str) or not isinstance(rows, Sequence):
+        raise TypeError(f"rows must be a sequence of batch_sweep rows, got {rows!r}")
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict) or "steps" not in r or "samples" not in r:
+            raise TypeError(f"rows[{i}] must be a dict with 'steps' and 'samples', got {r!r}")
     steps = check_float("steps", steps, lo=0, lo_open=True)
+    pts = sorted((r["steps"], r["samples"]) for r in rows if r["steps"] is not None)
     for (s0, e0), (s1, e1) in zip(pts, pts[1:], strict=False):
         if s0 <= steps <= s1:
             if s1 == s0:

@@ -39,7 +39,14 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from parlearn.core.checks import check_bool, check_choice, check_float, check_int, check_module
+from parlearn.core.checks import (
+    check_bool,
+    check_choice,
+    check_float,
+    check_int,
+    check_module,
+    check_tensor,
+)
 
 __all__ = ["NaiveDP", "BucketedDP", "CompressedDP", "make_ddp", "TiedMLP", "train_reference",
            "shard", "DPStepModel", "dp_step_model", "worker_train"]
@@ -82,10 +89,10 @@ class _DataParallel(nn.Module):
         check_module("module", module)
         check_bool("record", record)
         self.record = record
+        refuse_batch_statistics(module, type(self).__name__)
         if not tdist.is_initialized():
             raise RuntimeError("data parallel wrappers need an initialised process group "
                                "(run the worker with parlearn.distributed.run or torchrun)")
-        refuse_batch_statistics(module, type(self).__name__)
         check_same_on_every_rank(module, group, type(self).__name__)
         self.module = module
         self.group = group
@@ -308,8 +315,11 @@ class TiedMLP(nn.Module):
 
     def __init__(self, d_in: int, d_hidden: int, d_out: int, *, seed: int = 0,
                  dtype: torch.dtype = torch.float64) -> None:
+        for name, v in (("d_in", d_in), ("d_hidden", d_hidden), ("d_out", d_out)):
+            check_int(name, v, lo=1)
+        check_choice("dtype", dtype, (torch.float32, torch.float64))
         super().__init__()
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator().manual_seed(check_int("seed", seed, lo=0))
 
         def lin(i, o, bias=True):
             # skip_init: nn.Linear's own init would draw from the caller's global RNG.
@@ -336,10 +346,14 @@ class TiedMLP(nn.Module):
 
 def shard(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """Rank ``rank``'s contiguous equal share of ``x`` along dim 0 (sizes must divide)."""
+    check_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have a batch dimension, got a 0-d tensor")
     check_int("world_size", world_size, lo=1)
     check_int("rank", rank, lo=0, hi=world_size - 1)
     if x.shape[0] % world_size:
-        raise ValueError(f"batch of {x.shape[0]} does not split into {world_size} equal shards")
+        raise ValueError(f"batch of {x.shape[0]} does not split into world_size={world_size} "
+                         "equal shards")
     m = x.shape[0] // world_size
     return x[rank * m:(rank + 1) * m]
 

@@ -60,6 +60,9 @@ class DelayModel:
         check_float("mean", self.mean, lo=0)
         check_float("shape", self.shape, lo=1, lo_open=True)
         check_int("seed", self.seed, lo=0)
+        if not isinstance(self.slow, tuple) or not all(
+                isinstance(e, tuple) and len(e) == 2 for e in self.slow):
+            raise TypeError(f"slow must be a tuple of (rank, seconds) pairs, got {self.slow!r}")
         for r, s in self.slow:
             check_int("slow rank", r, lo=0)
             check_float("slow seconds", s, lo=0)

@@ -51,7 +51,7 @@ each block's input.
 
 from __future__ import annotations
 
-from parlearn.core.checks import check_choice, check_int
+from parlearn.core.checks import check_bool, check_choice, check_int
 from parlearn.multi_device.transformer.model import RECOMPUTE, GPTConfig, count_params
 
 __all__ = ["PRECISIONS", "activation_terms", "activation_bytes", "korthikanti_terms",
@@ -64,6 +64,8 @@ PRECISIONS = {"fp64": (8, 8), "fp32": (4, 4), "bf16": (4, 2)}
 def _check(cfg, batch, seq, precision, recompute):
     if not isinstance(cfg, GPTConfig):
         raise TypeError(f"cfg must be a GPTConfig, got {type(cfg).__name__}")
+    # seq may exceed cfg.max_seq: the count is of the same shapes at a longer context (no
+    # activation depends on max_seq), as lesson 17 uses it to show the s^2 terms.
     batch, seq = check_int("batch", batch, lo=1), check_int("seq", seq, lo=1)
     check_choice("precision", precision, PRECISIONS)
     check_choice("recompute", recompute, RECOMPUTE)
@@ -111,15 +113,23 @@ def activation_terms(cfg: GPTConfig, batch: int, seq: int, *, precision: str = "
 def activation_bytes(cfg: GPTConfig, batch: int, seq: int, *, precision: str = "fp32",
                      recompute: str = "none", weight_copies: bool = False) -> int:
     """Total of :func:`activation_terms`; the autocast weight copies only if asked."""
+    check_bool("weight_copies", weight_copies)
     return sum(n for name, n in activation_terms(cfg, batch, seq, precision=precision,
                                                  recompute=recompute)
                if weight_copies or name != "weight copy")
 
 
+def _check_korthikanti(s: int, b: int, h: int, a: int) -> tuple[int, int, int, int]:
+    s, b, h, a = (check_int(n, v, lo=1) for n, v in (("s", s), ("b", b), ("h", h), ("a", a)))
+    if h % a:
+        raise ValueError(f"a={a} heads must divide h={h}")
+    return s, b, h, a
+
+
 def korthikanti_terms(s: int, b: int, h: int, a: int) -> list[tuple[str, int]]:
     """Korthikanti et al. (2022), section 4.1: bytes kept per block of Megatron's
     transformer layer in 16-bit with dropout (1-byte masks), no recomputation."""
-    s, b, h, a = (check_int(n, v, lo=1) for n, v in (("s", s), ("b", b), ("h", h), ("a", a)))
+    s, b, h, a = _check_korthikanti(s, b, h, a)
     return [("QKV input", 2 * s * b * h), ("Q and K", 4 * s * b * h),
             ("softmax output", 2 * a * s * s * b), ("softmax dropout mask", a * s * s * b),
             ("dropout output (attention over values)", 2 * a * s * s * b),
@@ -131,4 +141,5 @@ def korthikanti_terms(s: int, b: int, h: int, a: int) -> list[tuple[str, int]]:
 
 def korthikanti_bytes(s: int, b: int, h: int, a: int) -> float:
     """Their closed form ``s b h (34 + 5 a s / h)`` bytes per block."""
+    s, b, h, a = _check_korthikanti(s, b, h, a)
     return s * b * h * (34 + 5 * a * s / h)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parlearn.core.checks import check_choice, check_int
+from parlearn.core.checks import check_bool, check_choice, check_int
 from parlearn.multi_device.sharding import PRECISIONS, memory_model
 
 __all__ = ["LlamaShape", "PRESETS", "estimate", "SCHEDULES"]
@@ -55,6 +55,7 @@ class LlamaShape:
     def __post_init__(self):
         for name in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab"):
             check_int(name, getattr(self, name), lo=1)
+        check_bool("tied", self.tied)
         if self.hidden % self.heads:
             raise ValueError(f"heads={self.heads} must divide hidden={self.hidden}")
         if self.heads % self.kv_heads:

@@ -39,8 +39,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from parlearn.core.checks import check_callable, check_choice, check_int
+
 __all__ = ["Saved", "SavedLedger", "saved_tensors", "peak_memory", "autocast_for"]
 
+AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 KINDS = ("activation", "weight copy", "input", "buffer", "parameter")
 
 
@@ -53,6 +56,17 @@ class Saved:
     nbytes: int
     kind: str
     uses: int  # how many times ops saved (views of) it
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.shape, tuple):
+            raise TypeError(f"shape must be a tuple of ints, got {self.shape!r}")
+        for d in self.shape:
+            check_int("shape", d, lo=0)
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {self.dtype!r}")
+        check_int("nbytes", self.nbytes, lo=0)
+        check_choice("kind", self.kind, KINDS)
+        check_int("uses", self.uses, lo=1)
 
 
 @dataclass
@@ -82,9 +96,13 @@ class SavedLedger:
 
 def autocast_for(device: torch.device | str, dtype: torch.dtype | None):
     """``torch.autocast`` on ``device``'s type at ``dtype``, or a no-op for None."""
+    from parlearn.multi_device.transformer.model import check_device
+
+    dev = check_device("device", device)
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=dtype)
+    check_choice("dtype", dtype, AUTOCAST_DTYPES)
+    return torch.autocast(dev.type, dtype=dtype)
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -101,6 +119,8 @@ def saved_tensors(model: nn.Module, *inputs: torch.Tensor, autocast: torch.dtype
     ``torch.autocast``."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if autocast is not None:
+        check_choice("autocast", autocast, AUTOCAST_DTYPES)
     params = {_ptr(p) for p in model.parameters()}
     buffers = {_ptr(b) for b in model.buffers()}
     tensors = [t for t in (*inputs, *kwargs.values()) if isinstance(t, torch.Tensor)]
@@ -151,7 +171,10 @@ def _is_weight_copy(t: torch.Tensor, model: nn.Module) -> bool:
 def peak_memory(step, device: torch.device | str) -> int | None:
     """Peak bytes the CUDA allocator held while ``step()`` ran (above what was allocated
     before), or None on a device without an allocator counter (CPU)."""
-    dev = torch.device(device)
+    from parlearn.multi_device.transformer.model import check_device
+
+    check_callable("step", step)
+    dev = check_device("device", device)
     if dev.type != "cuda":
         return None
     torch.cuda.synchronize(dev)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parlearn.core.checks import check_int
+from parlearn.core.checks import check_choice, check_float, check_int, check_module
 from parlearn.core.timing import compare
 from parlearn.multi_device.memory.measured import saved_tensors
 from parlearn.multi_device.transformer.model import GPT, RECOMPUTE
@@ -32,6 +32,10 @@ def _nbytes(ts) -> int:
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
     """Bytes per parameter held by ``model``'s parameters, their ``.grad`` and
     ``optimizer.state`` (run a step first; Adam's per-tensor ``step`` scalars included)."""
+    check_module("model", model)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
     params = [p for p in model.parameters()]
     n = sum(p.numel() for p in params)
     state = [t for s in optimizer.state.values() for t in s.values()
@@ -50,7 +54,17 @@ def recompute_cost(model: GPT, idx: torch.Tensor, targets: torch.Tensor, *, repe
     measured step time (forward + backward, interleaved over modes). Returns
     ``{"activation_bytes": {mode: bytes}, "timing": Comparison}``; ``model``'s ``.grad`` is
     left as it was."""
+    from parlearn.multi_device.memory.measured import AUTOCAST_DTYPES
+    from parlearn.multi_device.transformer.train import _check_gpt, _check_ids
+
+    _check_gpt(model)
+    _check_ids("idx", idx, model)
+    _check_ids("targets", targets, model, like=idx)
     repeat = check_int("repeat", repeat, lo=1)
+    if autocast is not None:
+        check_choice("autocast", autocast, AUTOCAST_DTYPES)
+    if threads is not None:
+        check_int("threads", threads, lo=1)
     params = list(model.parameters())
     # Set the user's .grad aside (not merely remember it): backward adds into an existing
     # .grad in place, so the remembered tensor itself would change.
@@ -87,7 +101,8 @@ def fp16_underflow(scale: float = 2.0 ** 16, *, seed: int = 0) -> dict:
     weight gradients are about 1e-8 (below fp16's smallest subnormal, 6e-8): without a
     scaler they flush to zero; with ``GradScaler(init_scale=scale)`` they survive and,
     unscaled, match the fp32 gradients. Returns the three gradients and summaries."""
-    g = torch.Generator().manual_seed(seed)
+    scale = check_float("scale", scale, lo=0, lo_open=True)
+    g = torch.Generator().manual_seed(check_int("seed", seed, lo=0))
     w1 = torch.randn(16, 16, generator=g) * 0.25
     w2 = torch.randn(1, 16, generator=g) * 0.25
     x = torch.randn(64, 16, generator=g)

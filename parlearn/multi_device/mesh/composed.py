@@ -104,6 +104,16 @@ class StageGPT(nn.Module):
 
     def __init__(self, full: GPT, shape: MeshShape, stage: int, shard: int, *, sp: bool,
                  tp_group=None, recompute: str = "none"):
+        if not isinstance(full, GPT):
+            raise TypeError(f"full must be a parlearn.transformer.GPT, got {type(full).__name__}")
+        if not isinstance(shape, MeshShape):
+            raise TypeError(f"shape must be a MeshShape, got {type(shape).__name__}")
+        stage = check_int("stage", stage, lo=0, hi=shape.pp - 1)
+        shard = check_int("shard", shard, lo=0, hi=shape.tp - 1)
+        check_bool("sp", sp)
+        if full.cfg.n_layers % shape.pp or full.cfg.n_heads % shape.tp or full.cfg.ff % shape.tp:
+            raise ValueError(f"shape={shape} must divide the model: pp into n_layers, tp into "
+                             "n_heads and the MLP width")
         super().__init__()
         cfg = full.cfg
         self.cfg, self.tp, self.sp, self.group = cfg, shape.tp, sp, tp_group

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import os
 import statistics
+from collections.abc import Sequence
 
-from parlearn.core.checks import check_int
+from parlearn.core.checks import check_float, check_int
 from parlearn.multi_device.mesh.composed import mesh_train
 from parlearn.multi_device.mesh.layout import MeshShape
 from parlearn.multi_device.mesh.planner import Cluster, Prediction, TinyGPT, rank_plans
@@ -29,6 +30,11 @@ __all__ = ["kendall_tau", "measure_plan", "grade"]
 
 def kendall_tau(xs, ys) -> float:
     """Kendall's tau-b of two equally long sequences (ties counted as neither)."""
+    for name, seq in (("xs", xs), ("ys", ys)):
+        if isinstance(seq, str) or not isinstance(seq, Sequence):
+            raise TypeError(f"{name} must be a sequence of numbers, got {seq!r}")
+        for v in seq:
+            check_float(name, v)
     if len(xs) != len(ys) or len(xs) < 2:
         raise ValueError(f"xs and ys need the same length >= 2, got {len(xs)} and {len(ys)}")
     conc = disc = tx = ty = 0

@@ -90,7 +90,17 @@ def ledger_wire_bytes(records: Sequence[tuple[str, int]], world_size: int) -> fl
     """Ring bytes sent per rank for ``(kind, payload)`` records (:func:`dist.ring_bytes`)."""
     from parlearn import distributed as dist
 
-    return sum(dist.ring_bytes(kind, nbytes, world_size) for kind, nbytes in records)
+    world_size = check_int("world_size", world_size, lo=1)
+    if isinstance(records, str) or not isinstance(records, Sequence):
+        raise TypeError(f"records must be a sequence of (kind, payload bytes), got {records!r}")
+    pairs = []
+    for i, rec in enumerate(records):
+        if not isinstance(rec, tuple | list) or len(rec) != 2:
+            raise TypeError(f"records[{i}] must be a (kind, payload bytes) pair, got {rec!r}")
+        # ring_bytes names its own arguments; say which record held the bad one
+        pairs.append((check_choice(f"records[{i}] kind", rec[0], dist.KINDS),
+                      check_int(f"records[{i}] payload", rec[1], lo=0)))
+    return sum(dist.ring_bytes(kind, nbytes, world_size) for kind, nbytes in pairs)
 
 
 def draw_stages(axes, world_size: int = 4) -> None:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from parlearn.core.checks import check_choice, check_int
-from parlearn.multi_device.sharding.training import Spec, _local_batch, _loss
+from parlearn.multi_device.sharding.training import Spec, _local_batch, _loss, check_spec
 from parlearn.multi_device.sharding.zero import storage_bytes
 
 __all__ = ["train_engine"]
@@ -99,6 +99,7 @@ def train_engine(spec: Spec, engine: str, world_size: int = 2, *, timeout: float
     """
     from parlearn import distributed as dist
 
+    check_spec(spec)
     check_choice("engine", engine, ("zero", "fsdp2"))
     check_int("world_size", world_size, lo=1)
     return dist.run(_worker_engine, world_size, args=(spec, engine), backend="gloo",

@@ -32,6 +32,10 @@ __all__ = ["mlp", "regression_data", "Spec", "train_serial", "train_sharded",
 # A model and data to train, the serial reference, and the workers
 # ---------------------------------------------------------------------------------------------
 
+def _check_dtype(dtype) -> torch.dtype:
+    return check_choice("dtype", dtype, (torch.float32, torch.float64))
+
+
 def mlp(sizes: Sequence[int], *, seed: int | torch.Generator = 0,
         dtype: torch.dtype = torch.float64) -> nn.Sequential:
     """Linear-tanh-...-Linear with ``sizes`` (in, hidden..., out), initialised from ``seed``.
@@ -39,7 +43,10 @@ def mlp(sizes: Sequence[int], *, seed: int | torch.Generator = 0,
     Built on the meta device and filled from its own generator, so the global RNG is
     untouched and every rank building it from the same seed gets the same model.
     """
+    if isinstance(sizes, str) or not isinstance(sizes, Sequence):
+        raise TypeError(f"sizes must be a sequence of ints, got {sizes!r}")
     sizes = [check_int(f"sizes[{i}]", s, lo=1) for i, s in enumerate(sizes)]
+    _check_dtype(dtype)
     if len(sizes) < 2:
         raise ValueError(f"sizes must have at least 2 entries (in, out), got {sizes}")
     gen = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(
@@ -61,6 +68,9 @@ def regression_data(n: int, n_in: int, n_out: int, *, seed: int = 0,
                     dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` inputs and noisy targets of a fixed random smooth map, from ``seed``."""
     check_int("n", n, lo=1)
+    check_int("n_in", n_in, lo=1)
+    check_int("n_out", n_out, lo=1)
+    _check_dtype(dtype)
     gen = torch.Generator().manual_seed(check_seed("seed", seed))
     x = torch.randn(n, n_in, generator=gen, dtype=dtype)
     w = torch.randn(n_in, n_out, generator=gen, dtype=dtype) / math.sqrt(n_in)
@@ -107,12 +117,20 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(model(x), y)
 
 
+def check_spec(spec) -> Spec:
+    """``spec`` if it is a :class:`Spec` (its fields are checked when it is built)."""
+    if not isinstance(spec, Spec):
+        raise TypeError(f"spec must be a Spec, got {type(spec).__name__}")
+    return spec
+
+
 def train_serial(spec: Spec, world_size: int) -> dict:
     """The reference: one process, ``torch.optim.Adam`` on the whole global batch.
 
     Returns ``{"params": [flat parameters after each step], "losses": [...]}``; entry 0
     of ``params`` is the initial model.
     """
+    check_spec(spec)
     check_int("world_size", world_size, lo=1)
     model = spec.model()
     opt = torch.optim.Adam(model.parameters(), lr=spec.lr, foreach=False)
@@ -182,6 +200,7 @@ def train_sharded(spec: Spec, stage: int, world_size: int = 2, *, timeout: float
     """
     from parlearn import distributed as dist
 
+    check_spec(spec)
     check_choice("stage", stage, STAGES)
     check_int("world_size", world_size, lo=1)
     return dist.run(_worker_train, world_size, args=(spec, stage), backend="gloo",
@@ -212,6 +231,7 @@ def measure_memory(spec: Spec, world_size: int = 2, *, timeout: float = 60) -> l
     """
     from parlearn import distributed as dist
 
+    check_spec(spec)
     check_int("world_size", world_size, lo=1)
     return dist.run(_worker_memory, world_size, args=(spec,), backend="gloo", timeout=timeout)
 
@@ -262,6 +282,7 @@ def step_times(spec: Spec, world_size: int = 2, *, repeat: int = 5,
     """
     from parlearn import distributed as dist
 
+    check_spec(spec)
     check_int("world_size", world_size, lo=1)
     check_int("repeat", repeat, lo=1)
     return dist.run(_worker_bench, world_size, args=(spec, repeat), backend="gloo",

@@ -20,7 +20,13 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from parlearn.core.checks import check_choice, check_float, check_int, check_module
+from parlearn.core.checks import (
+    check_choice,
+    check_float,
+    check_int,
+    check_module,
+    check_tensor,
+)
 
 __all__ = ["STAGES", "FlatShard", "adam_update", "storage_bytes", "ShardedAdam"]
 
@@ -46,7 +52,13 @@ class FlatShard:
     def __init__(self, shapes: Sequence[torch.Size], world_size: int, rank: int) -> None:
         self.world_size = check_int("world_size", world_size, lo=1)
         self.rank = check_int("rank", rank, lo=0, hi=world_size - 1)
-        self.shapes = [torch.Size(s) for s in shapes]
+        if isinstance(shapes, str) or not isinstance(shapes, Sequence) or not shapes:
+            raise TypeError(f"shapes must be a non-empty sequence of shapes, got {shapes!r}")
+        self.shapes = []
+        for i, shape in enumerate(shapes):
+            if isinstance(shape, str) or not isinstance(shape, Sequence):
+                raise TypeError(f"shapes[{i}] must be a shape, got {shape!r}")
+            self.shapes.append(torch.Size(check_int(f"shapes[{i}]", d, lo=0) for d in shape))
         self.numels = [s.numel() for s in self.shapes]
         self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]
         self.numel = sum(self.numels)
@@ -86,7 +98,16 @@ def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``,
     ``p -= lr / (1-b1^t) * m / (sqrt(v) / sqrt(1-b2^t) + eps)``.
     """
-    beta1, beta2 = betas
+    param = check_tensor("param", param, floating=True)
+    for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        check_tensor(name, t, shape=tuple(param.shape), dtype=param.dtype)
+    check_int("step", step, lo=1)
+    lr = check_float("lr", lr, lo=0)
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise TypeError(f"betas must be a pair of floats, got {betas!r}")
+    beta1 = check_float("betas[0]", betas[0], lo=0, hi=1, hi_open=True)
+    beta2 = check_float("betas[1]", betas[1], lo=0, hi=1, hi_open=True)
+    eps = check_float("eps", eps, lo=0)
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     step_size = lr / (1 - beta1 ** step)
@@ -179,15 +200,15 @@ class ShardedAdam:
         self.betas = (check_float("betas[0]", betas[0], lo=0, hi=1, hi_open=True),
                       check_float("betas[1]", betas[1], lo=0, hi=1, hi_open=True))
         self.eps = check_float("eps", eps, lo=0)
-        if not tdist.is_initialized():
-            raise RuntimeError("ShardedAdam needs an initialised process group: run it inside "
-                               "parlearn.distributed.run(...) or under torchrun")
         from parlearn.multi_device.data_parallel.ddp import (
             check_same_on_every_rank,
             refuse_batch_statistics,
         )
 
         refuse_batch_statistics(model, "ShardedAdam")
+        if not tdist.is_initialized():
+            raise RuntimeError("ShardedAdam needs an initialised process group: run it inside "
+                               "parlearn.distributed.run(...) or under torchrun")
         check_same_on_every_rank(model, group, "ShardedAdam")
         self.group = group
         self.world_size = tdist.get_world_size(group)

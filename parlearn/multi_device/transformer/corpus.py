@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parlearn.core.checks import check_float, check_int
+from parlearn.core.checks import check_float, check_int, check_tensor
 
 __all__ = ["CharCorpus", "pydoc_corpus", "get_batch"]
 
@@ -69,7 +69,10 @@ def get_batch(ids: torch.Tensor, batch: int, seq: int, generator: torch.Generato
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """``batch`` random windows of ``seq`` tokens and the same windows shifted by one, as
     two contiguous tensors of their own (so a memory ledger sees each once)."""
+    check_tensor("ids", ids, ndim=1, floating=False)
     batch, seq = check_int("batch", batch, lo=1), check_int("seq", seq, lo=1)
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if ids.ndim != 1 or len(ids) <= seq:
         raise ValueError(f"ids must be 1-D and longer than seq={seq}, got shape "
                          f"{tuple(ids.shape)}")

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from parlearn.core.checks import check_choice, check_int
+from parlearn.core.checks import check_choice, check_int, check_tensor
 
 __all__ = ["GPTConfig", "GPT", "RECOMPUTE", "attention_core", "count_params"]
 
@@ -55,6 +55,7 @@ class GPTConfig:
         check_choice("pos", self.pos, ("rope", "learned"))
         if self.d_ff is not None:
             check_int("d_ff", self.d_ff, lo=1)
+        check_int("seed", self.seed, lo=0)
         if self.d_model % self.n_heads:
             raise ValueError(f"n_heads={self.n_heads} must divide d_model={self.d_model}")
         if self.pos == "rope" and self.head_dim % 2:
@@ -70,10 +71,36 @@ class GPTConfig:
         return 4 * self.d_model if self.d_ff is None else self.d_ff
 
 
+def check_config(cfg) -> GPTConfig:
+    """``cfg`` if it is a :class:`GPTConfig` (its fields are checked when it is built)."""
+    if not isinstance(cfg, GPTConfig):
+        raise TypeError(f"cfg must be a GPTConfig, got {cfg!r} ({type(cfg).__name__})")
+    return cfg
+
+
+def check_device(name: str, value) -> torch.device:
+    """``value`` as a ``torch.device`` (a device or a string torch parses)."""
+    if not isinstance(value, torch.device | str):
+        raise TypeError(f"{name} must be a torch.device or a string, got {value!r}")
+    try:
+        return torch.device(value)
+    except RuntimeError as e:
+        raise ValueError(f"{name} must name a device torch knows, got {value!r}: {e}") from e
+
+
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
                    ) -> torch.Tensor:
     """``softmax(q k^T / sqrt(d) + causal mask) v`` on ``(b, heads, s, d)`` tensors;
     ``mask`` is True where a query must not see a key."""
+    q = check_tensor("q", q, ndim=4, floating=True)
+    # dtypes may differ: under autocast q, k (rotated by fp32 tables) meet a bf16 v
+    check_tensor("k", k, shape=tuple(q.shape), floating=True)
+    check_tensor("v", v, shape=tuple(q.shape[:-1]) + (None,), floating=True)
+    s = q.shape[-2]
+    check_tensor("mask", mask, dtype=torch.bool)
+    if mask.dim() < 2 or tuple(mask.shape[-2:]) != (s, s):
+        raise ValueError(f"mask must end in ({s}, {s}) (queries x keys), got "
+                         f"{tuple(mask.shape)}")
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
     scores = scores.masked_fill(mask, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
@@ -143,9 +170,10 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None):
         super().__init__()
-        if not isinstance(cfg, GPTConfig):
-            raise TypeError(f"cfg must be a GPTConfig, got {type(cfg).__name__}")
+        check_config(cfg)
         check_choice("dtype", dtype, (torch.float32, torch.float64))
+        if device is not None:
+            check_device("device", device)
         self.cfg = cfg
         with torch.device("meta"):  # no initialisation from the global RNG
             self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -219,6 +247,7 @@ def count_params(cfg: GPTConfig) -> dict[str, int]:
     ``embedding`` (tied with the output layer), ``positions``, ``attention``, ``mlp``,
     ``norms``, and ``total``; ``matmul`` is what multiplies activations in a matmul
     (every linear, the tied output layer included)."""
+    check_config(cfg)
     h, L, f, V = cfg.d_model, cfg.n_layers, cfg.ff, cfg.vocab_size
     attn = 4 * h * h
     mlp = (3 if cfg.mlp == "swiglu" else 2) * h * f

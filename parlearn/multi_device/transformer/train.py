@@ -24,10 +24,23 @@ from collections.abc import Callable
 import torch
 from tqdm.auto import tqdm
 
-from parlearn.core.checks import check_callable, check_float, check_int
+from parlearn.core.checks import (
+    check_bool,
+    check_callable,
+    check_choice,
+    check_float,
+    check_int,
+    check_tensor,
+)
 from parlearn.core.device import threads as device_threads
 from parlearn.multi_device.transformer.corpus import CharCorpus, get_batch, pydoc_corpus
-from parlearn.multi_device.transformer.model import GPT, GPTConfig, count_params
+from parlearn.multi_device.transformer.model import (
+    GPT,
+    GPTConfig,
+    check_config,
+    check_device,
+    count_params,
+)
 
 __all__ = ["flops_per_token", "measured_flops", "evaluate", "train"]
 
@@ -35,7 +48,10 @@ __all__ = ["flops_per_token", "measured_flops", "evaluate", "train"]
 def flops_per_token(cfg: GPTConfig, seq: int, *, backward: bool = True) -> int:
     """Modeled FLOPs per token of :class:`GPT` at sequence length ``seq``: forward
     ``2 N_matmul + 4 L s h``, and three times that with backward (module docstring)."""
-    seq = check_int("seq", seq, lo=1)
+    check_config(cfg)
+    # The model cannot run past max_seq (its mask, positions and RoPE tables end there).
+    seq = check_int("seq", seq, lo=1, hi=cfg.max_seq)
+    check_bool("backward", backward)
     fwd = 2 * count_params(cfg)["matmul"] + 4 * cfg.n_layers * seq * cfg.d_model
     return 3 * fwd if backward else fwd
 
@@ -46,6 +62,10 @@ def measured_flops(model: GPT, idx: torch.Tensor, targets: torch.Tensor, *,
     Leaves the model's ``.grad`` as it found it."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    _check_gpt(model)
+    _check_ids("idx", idx, model)
+    _check_ids("targets", targets, model, like=idx)
+    check_bool("backward", backward)
     params = list(model.parameters())
     # Set the user's .grad aside (not merely remember it): backward adds into an existing
     # .grad in place, so the remembered tensor itself would change.
@@ -64,17 +84,38 @@ def measured_flops(model: GPT, idx: torch.Tensor, targets: torch.Tensor, *,
     return counter.get_total_flops()
 
 
+def _check_gpt(model) -> None:
+    if not isinstance(model, GPT):
+        raise TypeError(f"model must be a parlearn.transformer.GPT, got {type(model).__name__}")
+
+
+def _check_ids(name: str, ids, model: GPT, like: torch.Tensor | None = None) -> None:
+    """``(batch, seq)`` integer token ids below the vocabulary, ``seq <= max_seq``."""
+    shape = (None, None) if like is None else tuple(like.shape)
+    check_tensor(name, ids, shape=shape, floating=False)
+    if ids.shape[1] > model.cfg.max_seq or ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise ValueError(f"{name} must be (batch, seq) with 1 <= seq <= max_seq="
+                         f"{model.cfg.max_seq}, got shape {tuple(ids.shape)}")
+
+
 @torch.no_grad()
 def evaluate(model: GPT, ids: torch.Tensor, *, batch: int = 32, seq: int | None = None,
              batches: int = 8, seed: int = 1) -> float:
     """Mean cross-entropy (nats per character) over ``batches`` seeded windows of ``ids``."""
-    seq = model.cfg.max_seq if seq is None else seq
-    g = torch.Generator().manual_seed(seed)
+    _check_gpt(model)
+    check_tensor("ids", ids, ndim=1, floating=False)
+    batch = check_int("batch", batch, lo=1)
+    seq = model.cfg.max_seq if seq is None else check_int("seq", seq, lo=1,
+                                                          hi=model.cfg.max_seq)
+    batches = check_int("batches", batches, lo=1)
+    if len(ids) <= seq:
+        raise ValueError(f"ids must be longer than seq={seq}, got {len(ids)} tokens")
+    g = torch.Generator().manual_seed(check_int("seed", seed, lo=0))
     dev = model.tok.weight.device
     was = model.training
     model.eval()
     total = 0.0
-    for _ in range(check_int("batches", batches, lo=1)):
+    for _ in range(batches):
         x, y = get_batch(ids, batch, seq, g)
         total += model(x.to(dev), y.to(dev))[1].item()
     model.train(was)
@@ -98,6 +139,15 @@ def train(cfg: GPTConfig | None = None, *, steps: int = 300, batch: int = 32,
     ``threads``: torch intra-op threads for the run, the caller's count restored afterwards
     (None: the caller's count); one thread keeps this small model's step fast when other
     programs share the cores (see :mod:`parlearn.core.device`)."""
+    if corpus is not None and not isinstance(corpus, CharCorpus):
+        raise TypeError(f"corpus must be a CharCorpus or None, got {type(corpus).__name__}")
+    if cfg is not None:
+        check_config(cfg)
+    check_choice("dtype", dtype, (torch.float32, torch.float64))
+    check_device("device", device)
+    if autocast is not None:
+        check_choice("autocast", autocast, (torch.bfloat16, torch.float16))
+    check_int("seed", seed, lo=0)
     corpus = pydoc_corpus() if corpus is None else corpus
     cfg = GPTConfig(vocab_size=corpus.vocab_size) if cfg is None else cfg
     if cfg.vocab_size != corpus.vocab_size:
