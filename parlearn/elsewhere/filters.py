@@ -140,6 +140,8 @@ def _landing(world: World, cells: torch.Tensor, shift: torch.Tensor) -> torch.Te
 
 def transition_matrix(world: World, move: int, p_slip: float) -> torch.Tensor:
     """``T[i, j] = P(next = free[j] | now = free[i], move)``, float64 (rows sum to 1)."""
+    if not isinstance(world, World):
+        raise TypeError(f"world must be a filters.World (make_world), got {type(world).__name__}")
     p_slip = check_float("p_slip", p_slip, lo=0, hi=1)
     check_int("move", move, lo=0, hi=len(MOVES) - 1)
     noise, probs = _slips(p_slip)
@@ -177,7 +179,13 @@ def grid_filter(world: World, moves: list[int], scans: torch.Tensor, p_slip: flo
 
 # -- the particle filter ---------------------------------------------------------------------
 def measurement_update(log_w: torch.Tensor, log_lik: torch.Tensor) -> torch.Tensor:
-    """Bayes' rule on weights: ``log w + log p(z|x)``, normalised (log-sum-exp) to sum to 1."""
+    """Bayes' rule on weights: ``log w + log p(z|x)``, normalised (log-sum-exp) to sum to 1.
+    ``log_w`` and ``log_lik`` are (N,) per particle; -inf (weight 0) is allowed, NaN not."""
+    log_w = check_tensor("log_w", log_w, ndim=1, floating=True)
+    log_lik = check_tensor("log_lik", log_lik, shape=tuple(log_w.shape), floating=True)
+    for name, t in (("log_w", log_w), ("log_lik", log_lik)):
+        if bool(t.isnan().any()):
+            raise ValueError(f"{name} must not contain NaN")
     new = log_w + log_lik
     return new - torch.logsumexp(new, 0)
 

@@ -92,6 +92,9 @@ def _check_xy(layers: Sequence[nn.Linear], x: torch.Tensor, y: torch.Tensor) -> 
     if x.shape[0] == 0:
         raise ValueError("x must hold at least one example, got 0 rows")
     check_tensor("y", y, shape=(x.shape[0],), floating=False)
+    if x.shape[1] != layers[0].in_features:
+        raise ValueError(f"x must have {layers[0].in_features} features (the first Linear's "
+                         f"in_features), got {x.shape[1]}")
 
 
 # ---------------------------------------------------------------------------------------
