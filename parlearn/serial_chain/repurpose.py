@@ -393,8 +393,8 @@ def split_inference(net: nn.Module, k: int, x: torch.Tensor, timeout: float = 30
     over ranks; module docstring)."""
     from parlearn.distributed import run
 
-    _check_k(net, k)
-    check_tensor("x", x, ndim=2, floating=True)
+    _check_x("x", x, _check_k(net, k))
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     res = run(split_worker, k, args=(net, x), backend="gloo", timeout=timeout,
               deadline=4 * timeout)
     spread = max(float((r["logits"] - res[0]["logits"]).abs().max()) for r in res)
@@ -434,8 +434,8 @@ def megatron_inference(net: nn.Module, k: int, x: torch.Tensor, timeout: float =
     :func:`split_inference`."""
     from parlearn.distributed import run
 
-    _check_k(net, k)
-    check_tensor("x", x, ndim=2, floating=True)
+    _check_x("x", x, _check_k(net, k))
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     res = run(megatron_worker, k, args=(net, x), backend="gloo", timeout=timeout,
               deadline=4 * timeout)
     spread = max(float((r["logits"] - res[0]["logits"]).abs().max()) for r in res)

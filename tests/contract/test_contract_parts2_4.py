@@ -547,7 +547,30 @@ CASES: list[Case] = [
 
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
 
-COVERED_ELSEWHERE: dict[str, str] = {}
+# Functions on ranks: each refuses every bad argument before a rank starts (a test replaces
+# parlearn.distributed.run with one that fails), and equals its one-process reference.
+_STRADS = "tests/serial_chain/test_strads.py::"
+_REPURPOSE = "tests/serial_chain/test_repurpose.py::"
+_LOCAL = "tests/serial_chain/test_local.py::"
+COVERED_ELSEWHERE: dict[str, str | list[str]] = {
+    "parlearn.serial_chain.strads.ranks.run_ranks": [
+        _STRADS + "test_run_ranks_refuses_every_bad_argument_before_any_rank_starts",
+        _STRADS + "test_two_ranks_equal_one_process"],
+    "parlearn.serial_chain.strads.ranks.strads_rank": _STRADS + "test_two_ranks_equal_one_process",
+    "parlearn.serial_chain.repurpose.split_inference": [
+        _REPURPOSE + "test_rank_entry_points_refuse_before_any_rank_starts",
+        _REPURPOSE + "test_split_on_ranks_equals_the_pruned_net"],
+    "parlearn.serial_chain.repurpose.megatron_inference": [
+        _REPURPOSE + "test_rank_entry_points_refuse_before_any_rank_starts",
+        _REPURPOSE + "test_megatron_baseline_equals_the_net_and_its_byte_model"],
+    "parlearn.serial_chain.repurpose.split_worker":
+        _REPURPOSE + "test_split_on_ranks_equals_the_pruned_net",
+    "parlearn.serial_chain.repurpose.megatron_worker":
+        _REPURPOSE + "test_megatron_baseline_equals_the_net_and_its_byte_model",
+    "parlearn.serial_chain.local.rules.run_local": [
+        _LOCAL + "test_run_local_refuses_every_bad_argument_before_any_rank_starts",
+        _LOCAL + "test_multi_rank_run_equals_single_process"],
+}
 EXEMPT: dict[str, str] = {}
 
 # Public callables whose contract test is still to be written (test_completeness: only shrinks).
@@ -690,7 +713,6 @@ PENDING = [
     "parlearn.serial_chain.local.rules.backprop_step",
     "parlearn.serial_chain.local.rules.compare_rules",
     "parlearn.serial_chain.local.rules.local_step",
-    "parlearn.serial_chain.local.rules.run_local",
     "parlearn.serial_chain.local.rules.train",
     "parlearn.serial_chain.multigrid.cost.bench",
     "parlearn.serial_chain.multigrid.cost.calibrate",
@@ -716,15 +738,9 @@ PENDING = [
     "parlearn.serial_chain.neq.measure_backward",
     "parlearn.serial_chain.repurpose.assign_groups",
     "parlearn.serial_chain.repurpose.digits_mlp",
-    "parlearn.serial_chain.repurpose.megatron_inference",
-    "parlearn.serial_chain.repurpose.megatron_worker",
     "parlearn.serial_chain.repurpose.permute",
-    "parlearn.serial_chain.repurpose.split_inference",
-    "parlearn.serial_chain.repurpose.split_worker",
     "parlearn.serial_chain.repurpose.tradeoff",
     "parlearn.serial_chain.strads.cost.bench",
     "parlearn.serial_chain.strads.cost.timed_runs",
-    "parlearn.serial_chain.strads.ranks.run_ranks",
-    "parlearn.serial_chain.strads.ranks.strads_rank",
     "parlearn.serial_chain.strads.solver.LassoRun",
 ]

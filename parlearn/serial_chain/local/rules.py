@@ -312,6 +312,7 @@ def run_local(net: LocalNet, x: torch.Tensor, y: torch.Tensor, *, epochs: int = 
 
     lr, weight_decay = _check_train(net, x, y, "heads", lr, weight_decay)
     blocks = check_int("blocks", len(net.blocks), lo=2)
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     widths = [_out_width(b) for b in net.blocks]
     batches = minibatches(len(x), batch, epochs, seed)
     _preimport()
