@@ -192,8 +192,22 @@ def measurement_update(log_w: torch.Tensor, log_lik: torch.Tensor) -> torch.Tens
 
 def resample(cell_index: torch.Tensor, log_w: torch.Tensor,
              seed: int | torch.Generator) -> torch.Tensor:
-    """Systematic resampling: one uniform offset, N evenly spaced points on the weights' CDF."""
+    """Systematic resampling: one uniform offset, N evenly spaced points on the weights' CDF.
+    ``log_w`` must be normalised (log-sum-exp 0, as :func:`measurement_update` returns):
+    the CDF's last point is set to 1, which would silently rescale other weights."""
+    check_tensor("cell_index", cell_index, ndim=1, floating=False)
     n = len(cell_index)
+    if n == 0:
+        raise ValueError("cell_index must hold at least one particle, got 0")
+    log_w = check_tensor("log_w", log_w, ndim=1, floating=True)
+    if log_w.shape[0] != n:
+        raise ValueError(f"log_w must hold one weight per entry of cell_index ({n}), got "
+                         f"{log_w.shape[0]}")
+    if bool(log_w.isnan().any()):
+        raise ValueError("log_w must not contain NaN")
+    total = float(torch.logsumexp(log_w.to(torch.float64), 0))
+    if not abs(total) <= 1e-6:
+        raise ValueError(f"log_w must be normalised (log-sum-exp 0), got {total:.3g}")
     u = (torch.rand((), generator=_gen(seed), dtype=torch.float64)
          + torch.arange(n, dtype=torch.float64)) / n
     cdf = torch.cumsum(torch.exp(log_w.to(torch.float64)), 0)

@@ -98,6 +98,20 @@ def _episode(t=3, seed=0):
             "terminal": True}
 
 
+def _local_net():
+    from parlearn.serial_chain.local.net import make_net
+    return make_net([3, 4, 4], 2, classes=2)
+
+
+def _deep():
+    from parlearn.serial_chain.leapfrog.cost import deep_mlp
+    return deep_mlp(3, 3, dtype=F64)
+
+
+def _ce():
+    return torch.nn.functional.cross_entropy
+
+
 MODEL_BAD = ["a string", torch.nn.Linear(3, 2)]
 
 
@@ -543,6 +557,66 @@ CASES: list[Case] = [
          lambda: dict(episodes=[_episode(3), _episode(2, seed=1)]),
          bad={"episodes": [[], "episodes", [{"rewards": torch.ones(2)}], ["episode"],
                            [_episode(3), dict(_episode(2), actions=torch.zeros(3))]]}),
+    # --- third wave: leapfrog, local, neq and friends -------------------------------------
+    Case("parlearn.serial_chain.leapfrog.schedules.grad",
+         lambda: dict(model=_deep(), loss_fn=_ce(), x=_xy(5)[0], y=_xy(5)[1], workers=2,
+                      mode="leapfrog", threads_per_worker=1),
+         ranges={"workers": (1, None), "threads_per_worker": (1, None)},
+         bad={"model": MODEL_BAD, "loss_fn": ["ce"], "x": [_t(5, 4)]},
+         legal={"threads_per_worker": [None], "x": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.leapfrog.terms.forward",
+         lambda: dict(model=_deep(), loss_fn=_ce(), x=_xy(5)[0], y=_xy(5)[1]),
+         bad={"model": MODEL_BAD, "loss_fn": ["ce"], "x": [_t(5, 4)]},
+         legal={"x": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.leapfrog.schedules.timeline",
+         lambda: dict(model=_deep(), loss_fn=_ce(), x=_xy(5)[0], y=_xy(5)[1], workers=2,
+                      mode="serial", warmup=0, threads_per_worker=1),
+         ranges={"workers": (1, None), "warmup": (0, None), "threads_per_worker": (1, None)},
+         bad={"model": MODEL_BAD, "loss_fn": ["ce"]},
+         legal={"threads_per_worker": [None], "x": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.neq.accuracy",
+         lambda: dict(model=_neq_net(), x=_xy()[0], y=_xy()[1]),
+         bad={"model": ["model"], "x": [_t(0, 3)], "y": [_xy(4)[1], _t(5)]},
+         legal={"x": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.neq.measure_backward",
+         lambda: dict(widths=[4, 3, 2], batch=3, frozen=0.5, repeat=1, seed=0, device="cpu"),
+         ranges={"batch": (1, None), "frozen": (0.0, 1.0), "repeat": (1, None), "seed": (0, None)},
+         bad={"widths": BAD_WIDTHS}, skip={"device": "any device torch accepts"}),
+    Case("parlearn.serial_chain.local.net.make_net",
+         lambda: dict(widths=[3, 4, 4], blocks=2, classes=2, seed=0, dtype=F64, feedback=None),
+         ranges={"classes": (2, None), "seed": (0, None)},
+         bad={"widths": [[3], [3, 0, 4], [3, True, 4]], "blocks": [0, 3],
+              "dtype": [torch.int64]},
+         legal={"feedback": [None]}),
+    Case("parlearn.serial_chain.local.rules.accuracy",
+         lambda: dict(net=_local_net(), x=_xy()[0], y=_xy()[1]),
+         bad={"net": MODEL_BAD, "x": [_t(0, 3), _t(5)], "y": [_xy(4)[1], _t(5)]},
+         legal={"x": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.local.rules.backprop_step",
+         lambda: dict(net=_local_net(), x=_xy()[0], y=_xy()[1], lr=0.1, weight_decay=0.0),
+         ranges={"weight_decay": (0.0, None)},
+         bad={"net": MODEL_BAD, "lr": POSITIVE, "y": [_xy(4)[1]]},
+         legal={"x": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.duality.regulariser",
+         lambda: dict(weights=[_t(2, 3, 2), _t(2, 2, 4)], reg="parallel"),
+         bad={"weights": [[], "w", [_t(2, 3, 2), _t(3, 2, 4)]]}),
+    Case("parlearn.serial_chain.duality.objective",
+         lambda: dict(weights=[_t(2, 3, 2), _t(2, 2, 4)], m=_t(3, 4), lam=0.1, reg="parallel"),
+         ranges={"lam": (0.0, None)}, bad={"m": [_t(3, 5), _t(3)], "weights": [[], "w"]}),
+    Case("parlearn.serial_chain.repurpose.permute",
+         lambda: dict(net=_relu_net(), perms=[torch.tensor([1, 0, 3, 2]), torch.arange(4)]),
+         bad={"net": MODEL_BAD, "perms": [[torch.arange(4)], [torch.zeros(4, dtype=int),
+                                                               torch.arange(4)], "p"]}),
+    Case("parlearn.serial_chain.multigrid.stack.random_stack",
+         lambda: dict(n_layers=4, width=3, h=None, smoothness=1.0, scale=1.0, conv=False,
+                      channels=2, kernel=3, dtype=F64, seed=0),
+         ranges={"n_layers": (1, None), "width": (1, None), "seed": (0, None)},
+         bad={"dtype": [torch.int64]}, legal={"h": [None]}),
+    Case("parlearn.elsewhere.filters.resample",
+         lambda: dict(cell_index=torch.arange(5), log_w=torch.log_softmax(_t(5), 0), seed=0),
+         ranges={"seed": (0, None)},
+         bad={"log_w": [_t(4), _t(5, 2), torch.zeros(5, dtype=F64)],
+              "cell_index": [torch.arange(4), _t(5), torch.arange(0)]}),
 ]
 
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
@@ -587,7 +661,6 @@ PENDING = [
     "parlearn.elsewhere.filters.observe",
     "parlearn.elsewhere.filters.particle_filter",
     "parlearn.elsewhere.filters.posterior_histogram",
-    "parlearn.elsewhere.filters.resample",
     "parlearn.elsewhere.filters.simulate",
     "parlearn.elsewhere.filters.throughput",
     "parlearn.elsewhere.filters.tracking_error",
@@ -689,16 +762,11 @@ PENDING = [
     "parlearn.many_copies.rl.throughput.env_steps_per_second",
     "parlearn.serial_chain.duality.TrainResult",
     "parlearn.serial_chain.duality.gap_table",
-    "parlearn.serial_chain.duality.objective",
-    "parlearn.serial_chain.duality.regulariser",
     "parlearn.serial_chain.duality.train",
     "parlearn.serial_chain.leapfrog.cost.bench",
     "parlearn.serial_chain.leapfrog.schedules.backward",
-    "parlearn.serial_chain.leapfrog.schedules.grad",
-    "parlearn.serial_chain.leapfrog.schedules.timeline",
     "parlearn.serial_chain.leapfrog.terms.Tape",
     "parlearn.serial_chain.leapfrog.terms.chain_step",
-    "parlearn.serial_chain.leapfrog.terms.forward",
     "parlearn.serial_chain.leapfrog.terms.weight_grads",
     "parlearn.serial_chain.local.cost.bench",
     "parlearn.serial_chain.local.cost.block_costs",
@@ -706,11 +774,8 @@ PENDING = [
     "parlearn.serial_chain.local.net.LocalNet",
     "parlearn.serial_chain.local.net.as_sequential",
     "parlearn.serial_chain.local.net.feedback_angle",
-    "parlearn.serial_chain.local.net.make_net",
     "parlearn.serial_chain.local.rules.LocalRun",
     "parlearn.serial_chain.local.rules.TrainResult",
-    "parlearn.serial_chain.local.rules.accuracy",
-    "parlearn.serial_chain.local.rules.backprop_step",
     "parlearn.serial_chain.local.rules.compare_rules",
     "parlearn.serial_chain.local.rules.local_step",
     "parlearn.serial_chain.local.rules.train",
@@ -730,15 +795,11 @@ PENDING = [
     "parlearn.serial_chain.multigrid.stack.ResidualStack",
     "parlearn.serial_chain.multigrid.stack.conv_tanh",
     "parlearn.serial_chain.multigrid.stack.dense_tanh",
-    "parlearn.serial_chain.multigrid.stack.random_stack",
     "parlearn.serial_chain.neq.Equilibrium",
     "parlearn.serial_chain.neq.NEqRun",
-    "parlearn.serial_chain.neq.accuracy",
     "parlearn.serial_chain.neq.bench",
-    "parlearn.serial_chain.neq.measure_backward",
     "parlearn.serial_chain.repurpose.assign_groups",
     "parlearn.serial_chain.repurpose.digits_mlp",
-    "parlearn.serial_chain.repurpose.permute",
     "parlearn.serial_chain.repurpose.tradeoff",
     "parlearn.serial_chain.strads.cost.bench",
     "parlearn.serial_chain.strads.cost.timed_runs",
