@@ -109,8 +109,21 @@ def make_world(size: int = 12, *, density: float = 0.2, rays: int = 8, sigma: fl
     return World(walls, free, expected_scans(walls, free, rays, max_range), sigma, max_range)
 
 
+def _check_cells(world: World, cell_index: torch.Tensor, name: str = "cell_index") -> None:
+    """``world`` a :class:`World`; ``cell_index`` 1-D integer indices into ``world.free``
+    (a negative one would wrap to the last free cell)."""
+    if not isinstance(world, World):
+        raise TypeError(f"world must be a filters.World (make_world), got {type(world).__name__}")
+    check_tensor(name, cell_index, ndim=1, floating=False)
+    n = len(world.free)
+    if cell_index.numel() and (int(cell_index.min()) < 0 or int(cell_index.max()) >= n):
+        raise ValueError(f"{name} must index the {n} free cells, [0, {n - 1}], got values from "
+                         f"{int(cell_index.min())} to {int(cell_index.max())}")
+
+
 def observe(world: World, cell_index: torch.Tensor, seed: int | torch.Generator) -> torch.Tensor:
     """Noisy scans from the free cells ``cell_index``: expected scan + N(0, sigma^2) per ray."""
+    _check_cells(world, cell_index)
     g = _gen(seed)
     clean = world.scans[cell_index]
     return clean + world.sigma * torch.randn(clean.shape, generator=g, dtype=clean.dtype)
@@ -119,6 +132,7 @@ def observe(world: World, cell_index: torch.Tensor, seed: int | torch.Generator)
 def log_likelihood(world: World, z: torch.Tensor, cell_index: torch.Tensor) -> torch.Tensor:
     """The exact ``log p(z | x)`` of scan ``z`` (rays,) at each free cell in ``cell_index``:
     independent Gaussian rays around the expected scan."""
+    _check_cells(world, cell_index)
     z = check_tensor("z", z, shape=(world.rays,), floating=True)
     d = world.scans[cell_index] - z.to(world.scans.dtype)
     return (-0.5 * (d / world.sigma) ** 2).sum(-1) - world.rays * math.log(
@@ -156,6 +170,8 @@ def transition_matrix(world: World, move: int, p_slip: float) -> torch.Tensor:
 def motion_step(world: World, cell_index: torch.Tensor, move: int, p_slip: float,
                 seed: int | torch.Generator) -> torch.Tensor:
     """Sample the next free cell of every particle (the same law as ``transition_matrix``)."""
+    _check_cells(world, cell_index)
+    check_int("move", move, lo=0, hi=len(MOVES) - 1)
     noise, probs = _slips(check_float("p_slip", p_slip, lo=0, hi=1))
     pick = torch.multinomial(probs, len(cell_index), replacement=True, generator=_gen(seed))
     return world.index(_landing(world, world.free[cell_index], MOVES[move] + noise[pick]))
@@ -245,6 +261,11 @@ def particle_filter(world: World, moves: list[int], scans: torch.Tensor, p_slip:
 
 def posterior_histogram(world: World, cells: torch.Tensor, log_w: torch.Tensor) -> torch.Tensor:
     """The particles' weights summed per free cell: the particle posterior on the grid."""
+    _check_cells(world, cells, "cells")
+    log_w = check_tensor("log_w", log_w, ndim=1, floating=True)
+    if log_w.shape[0] != cells.shape[0]:
+        raise ValueError(f"log_w must hold one weight per entry of cells ({cells.shape[0]}), "
+                         f"got {log_w.shape[0]}")
     return torch.zeros(len(world.free), dtype=torch.float64).index_add_(
         0, cells, torch.exp(log_w.to(torch.float64)))
 
