@@ -109,8 +109,21 @@ def make_world(size: int = 12, *, density: float = 0.2, rays: int = 8, sigma: fl
     return World(walls, free, expected_scans(walls, free, rays, max_range), sigma, max_range)
 
 
+def _check_cells(world: World, cell_index: torch.Tensor, name: str = "cell_index") -> None:
+    """``world`` a :class:`World`; ``cell_index`` 1-D integer indices into ``world.free``
+    (a negative one would wrap to the last free cell)."""
+    if not isinstance(world, World):
+        raise TypeError(f"world must be a filters.World (make_world), got {type(world).__name__}")
+    check_tensor(name, cell_index, ndim=1, floating=False)
+    n = len(world.free)
+    if cell_index.numel() and (int(cell_index.min()) < 0 or int(cell_index.max()) >= n):
+        raise ValueError(f"{name} must index the {n} free cells, [0, {n - 1}], got values from "
+                         f"{int(cell_index.min())} to {int(cell_index.max())}")
+
+
 def observe(world: World, cell_index: torch.Tensor, seed: int | torch.Generator) -> torch.Tensor:
     """Noisy scans from the free cells ``cell_index``: expected scan + N(0, sigma^2) per ray."""
+    _check_cells(world, cell_index)
     g = _gen(seed)
     clean = world.scans[cell_index]
     return clean + world.sigma * torch.randn(clean.shape, generator=g, dtype=clean.dtype)
@@ -119,6 +132,7 @@ def observe(world: World, cell_index: torch.Tensor, seed: int | torch.Generator)
 def log_likelihood(world: World, z: torch.Tensor, cell_index: torch.Tensor) -> torch.Tensor:
     """The exact ``log p(z | x)`` of scan ``z`` (rays,) at each free cell in ``cell_index``:
     independent Gaussian rays around the expected scan."""
+    _check_cells(world, cell_index)
     z = check_tensor("z", z, shape=(world.rays,), floating=True)
     d = world.scans[cell_index] - z.to(world.scans.dtype)
     return (-0.5 * (d / world.sigma) ** 2).sum(-1) - world.rays * math.log(
@@ -140,6 +154,8 @@ def _landing(world: World, cells: torch.Tensor, shift: torch.Tensor) -> torch.Te
 
 def transition_matrix(world: World, move: int, p_slip: float) -> torch.Tensor:
     """``T[i, j] = P(next = free[j] | now = free[i], move)``, float64 (rows sum to 1)."""
+    if not isinstance(world, World):
+        raise TypeError(f"world must be a filters.World (make_world), got {type(world).__name__}")
     p_slip = check_float("p_slip", p_slip, lo=0, hi=1)
     check_int("move", move, lo=0, hi=len(MOVES) - 1)
     noise, probs = _slips(p_slip)
@@ -154,6 +170,8 @@ def transition_matrix(world: World, move: int, p_slip: float) -> torch.Tensor:
 def motion_step(world: World, cell_index: torch.Tensor, move: int, p_slip: float,
                 seed: int | torch.Generator) -> torch.Tensor:
     """Sample the next free cell of every particle (the same law as ``transition_matrix``)."""
+    _check_cells(world, cell_index)
+    check_int("move", move, lo=0, hi=len(MOVES) - 1)
     noise, probs = _slips(check_float("p_slip", p_slip, lo=0, hi=1))
     pick = torch.multinomial(probs, len(cell_index), replacement=True, generator=_gen(seed))
     return world.index(_landing(world, world.free[cell_index], MOVES[move] + noise[pick]))
@@ -177,15 +195,35 @@ def grid_filter(world: World, moves: list[int], scans: torch.Tensor, p_slip: flo
 
 # -- the particle filter ---------------------------------------------------------------------
 def measurement_update(log_w: torch.Tensor, log_lik: torch.Tensor) -> torch.Tensor:
-    """Bayes' rule on weights: ``log w + log p(z|x)``, normalised (log-sum-exp) to sum to 1."""
+    """Bayes' rule on weights: ``log w + log p(z|x)``, normalised (log-sum-exp) to sum to 1.
+    ``log_w`` and ``log_lik`` are (N,) per particle; -inf (weight 0) is allowed, NaN not."""
+    log_w = check_tensor("log_w", log_w, ndim=1, floating=True)
+    log_lik = check_tensor("log_lik", log_lik, shape=tuple(log_w.shape), floating=True)
+    for name, t in (("log_w", log_w), ("log_lik", log_lik)):
+        if bool(t.isnan().any()):
+            raise ValueError(f"{name} must not contain NaN")
     new = log_w + log_lik
     return new - torch.logsumexp(new, 0)
 
 
 def resample(cell_index: torch.Tensor, log_w: torch.Tensor,
              seed: int | torch.Generator) -> torch.Tensor:
-    """Systematic resampling: one uniform offset, N evenly spaced points on the weights' CDF."""
+    """Systematic resampling: one uniform offset, N evenly spaced points on the weights' CDF.
+    ``log_w`` must be normalised (log-sum-exp 0, as :func:`measurement_update` returns):
+    the CDF's last point is set to 1, which would silently rescale other weights."""
+    check_tensor("cell_index", cell_index, ndim=1, floating=False)
     n = len(cell_index)
+    if n == 0:
+        raise ValueError("cell_index must hold at least one particle, got 0")
+    log_w = check_tensor("log_w", log_w, ndim=1, floating=True)
+    if log_w.shape[0] != n:
+        raise ValueError(f"log_w must hold one weight per entry of cell_index ({n}), got "
+                         f"{log_w.shape[0]}")
+    if bool(log_w.isnan().any()):
+        raise ValueError("log_w must not contain NaN")
+    total = float(torch.logsumexp(log_w.to(torch.float64), 0))
+    if not abs(total) <= 1e-6:
+        raise ValueError(f"log_w must be normalised (log-sum-exp 0), got {total:.3g}")
     u = (torch.rand((), generator=_gen(seed), dtype=torch.float64)
          + torch.arange(n, dtype=torch.float64)) / n
     cdf = torch.cumsum(torch.exp(log_w.to(torch.float64)), 0)
@@ -223,6 +261,11 @@ def particle_filter(world: World, moves: list[int], scans: torch.Tensor, p_slip:
 
 def posterior_histogram(world: World, cells: torch.Tensor, log_w: torch.Tensor) -> torch.Tensor:
     """The particles' weights summed per free cell: the particle posterior on the grid."""
+    _check_cells(world, cells, "cells")
+    log_w = check_tensor("log_w", log_w, ndim=1, floating=True)
+    if log_w.shape[0] != cells.shape[0]:
+        raise ValueError(f"log_w must hold one weight per entry of cells ({cells.shape[0]}), "
+                         f"got {log_w.shape[0]}")
     return torch.zeros(len(world.free), dtype=torch.float64).index_add_(
         0, cells, torch.exp(log_w.to(torch.float64)))
 

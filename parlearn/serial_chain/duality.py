@@ -106,6 +106,8 @@ def svt_value(m: torch.Tensor, lam: float) -> float:
 def convex_objective(w: torch.Tensor, m: torch.Tensor, lam: float) -> float:
     """``1/2 |w - m|_F^2 + lam |w|_*``, the convex problem that SVT solves."""
     w, m, lam = _matrix("w", w), _matrix("m", m), check_float("lam", lam, lo=0.0)
+    if w.shape != m.shape:
+        raise ValueError(f"w must have m's shape {tuple(m.shape)}, got {tuple(w.shape)}")
     return float(0.5 * (w - m).pow(2).sum() + lam * singular_values(w).sum())
 
 
@@ -164,6 +166,8 @@ def init_branches(rows: int, cols: int, *, depth: int, branches: int, width: int
     depth, k = _depth(depth), check_int("branches", branches, lo=1)
     width, scale = check_int("width", width, lo=1), check_float("scale", scale, lo=0.0)
     seed = check_seed("seed", seed)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     g = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
     d = _dims(rows, cols, depth, width)
     return [torch.randn(k, d[i], d[i + 1], generator=g, dtype=dtype) * (scale / d[i] ** 0.5)

@@ -92,6 +92,9 @@ def _check_xy(layers: Sequence[nn.Linear], x: torch.Tensor, y: torch.Tensor) -> 
     if x.shape[0] == 0:
         raise ValueError("x must hold at least one example, got 0 rows")
     check_tensor("y", y, shape=(x.shape[0],), floating=False)
+    if x.shape[1] != layers[0].in_features:
+        raise ValueError(f"x must have {layers[0].in_features} features (the first Linear's "
+                         f"in_features), got {x.shape[1]}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -453,6 +456,11 @@ def train(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, x_val: torch.T
 @torch.no_grad()
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     """Fraction of ``x`` that ``model`` classifies as ``y``."""
+    check_module("model", model)
+    check_tensor("x", x, floating=True)
+    if x.dim() == 0 or x.shape[0] == 0:
+        raise ValueError(f"x must hold at least one example, got shape {tuple(x.shape)}")
+    check_tensor("y", y, shape=(x.shape[0],), floating=False)
     return (model(x).argmax(1) == y).double().mean().item()
 
 

@@ -118,8 +118,10 @@ def linears(net: nn.Module) -> list[nn.Linear]:
     return mods[::2]
 
 
-def _check_x(name: str, x: torch.Tensor, lins: list[nn.Linear]) -> torch.Tensor:
-    check_tensor(name, x, shape=(None, lins[0].in_features), floating=True)
+def _check_x(name: str, x: torch.Tensor, lins: list[nn.Linear],
+             finite: bool = False) -> torch.Tensor:
+    # finite: calibration data drives the grouping and the refit, where NaN would spread.
+    check_tensor(name, x, shape=(None, lins[0].in_features), floating=True, finite=finite)
     if x.dtype != lins[0].weight.dtype:
         raise TypeError(f"{name} must have the net's dtype {lins[0].weight.dtype}, got {x.dtype}")
     if x.shape[0] == 0:
@@ -130,6 +132,9 @@ def _check_x(name: str, x: torch.Tensor, lins: list[nn.Linear]) -> torch.Tensor:
 @torch.no_grad()
 def accuracy(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     """Fraction of rows of ``x`` whose arg-max logit is the label ``y``."""
+    lins = linears(net)
+    _check_x("x", x, lins)
+    check_tensor("y", y, shape=(x.shape[0],), floating=False)
     return float((net(x).argmax(1) == y).double().mean())
 
 
@@ -249,6 +254,7 @@ def restructure(net: nn.Module, k: int, x_calib: torch.Tensor, sweeps: int = 4,
                 restarts: int = 8, seed: int = 0) -> tuple[nn.Sequential, list[float]]:
     """:func:`assign_groups` then :func:`permute` (group ``c`` becomes the ``c``-th block).
     Returns the permuted net and the best run's off-block share history."""
+    _check_x("x_calib", x_calib, linears(net), finite=True)
     energy = calibration_energy(net, x_calib)
     groups, history = assign_groups(net, k, energy, sweeps, restarts, seed)
     return permute(net, [torch.argsort(g, stable=True) for g in groups]), history
@@ -266,7 +272,7 @@ def prune_and_refit(net: nn.Module, k: int, x_calib: torch.Tensor, prune: float,
     refit = check_bool("refit", refit)
     out = copy.deepcopy(net)
     new = linears(out)
-    h_ref = h_new = _check_x("x_calib", x_calib, lins)
+    h_ref = h_new = _check_x("x_calib", x_calib, lins, finite=True)
     for l in range(len(lins)):
         z_ref = lins[l](h_ref)
         if 0 < l < len(lins) - 1:
@@ -387,8 +393,8 @@ def split_inference(net: nn.Module, k: int, x: torch.Tensor, timeout: float = 30
     over ranks; module docstring)."""
     from parlearn.distributed import run
 
-    _check_k(net, k)
-    check_tensor("x", x, ndim=2, floating=True)
+    _check_x("x", x, _check_k(net, k))
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     res = run(split_worker, k, args=(net, x), backend="gloo", timeout=timeout,
               deadline=4 * timeout)
     spread = max(float((r["logits"] - res[0]["logits"]).abs().max()) for r in res)
@@ -428,8 +434,8 @@ def megatron_inference(net: nn.Module, k: int, x: torch.Tensor, timeout: float =
     :func:`split_inference`."""
     from parlearn.distributed import run
 
-    _check_k(net, k)
-    check_tensor("x", x, ndim=2, floating=True)
+    _check_x("x", x, _check_k(net, k))
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     res = run(megatron_worker, k, args=(net, x), backend="gloo", timeout=timeout,
               deadline=4 * timeout)
     spread = max(float((r["logits"] - res[0]["logits"]).abs().max()) for r in res)

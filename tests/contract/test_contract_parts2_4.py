@@ -55,6 +55,66 @@ def _stacked():
     return stack(make_replicas(3, 4, 2, 2, dtype=F64))[0]
 
 
+def _replicas(r=2):
+    from parlearn.many_copies.replicas import make_replicas
+    return make_replicas(3, 4, 2, r, dtype=F64)
+
+
+def _stack_kw():
+    from parlearn.many_copies.replicas import stack
+    models = _replicas()
+    params, buffers = stack(models)
+    return dict(base=models[0], params=params, buffers=buffers)
+
+
+def _xy(n=5, d=3, c=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g, dtype=F64), torch.randint(0, c, (n,), generator=g)
+
+
+def _neq_net():
+    from parlearn.core.models import mlp
+    return mlp([3, 4, 2], seed=0, dtype=F64)
+
+
+def _masks():
+    return [torch.tensor([True, False, True, True]), torch.tensor([True, False])]
+
+
+def _relu_net():
+    from parlearn.core.models import mlp
+    return mlp([3, 4, 4, 2], seed=0, dtype=F64)
+
+
+def _world():
+    from parlearn.elsewhere.filters import make_world
+    return make_world(6, rays=4, seed=0)
+
+
+def _episode(t=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"obs": torch.randn(t, 2, generator=g), "next_obs": torch.randn(t, 2, generator=g),
+            "actions": torch.randint(0, 2, (t,), generator=g), "rewards": torch.ones(t),
+            "terminal": True}
+
+
+def _local_net():
+    from parlearn.serial_chain.local.net import make_net
+    return make_net([3, 4, 4], 2, classes=2)
+
+
+def _deep():
+    from parlearn.serial_chain.leapfrog.cost import deep_mlp
+    return deep_mlp(3, 3, dtype=F64)
+
+
+def _ce():
+    return torch.nn.functional.cross_entropy
+
+
+MODEL_BAD = ["a string", torch.nn.Linear(3, 2)]
+
+
 BAD_WIDTHS = [[4], [4, 0, 2], [4, True], [4, 2.0], "42"]
 OPEN_UNIT = [0.0, -0.5, 1.5, 1.0000001]      # for a value in (0, 1]
 OPEN_BOTH = [0.0, 1.0, -0.5, 1.5]            # for a value in (0, 1)
@@ -333,11 +393,276 @@ CASES: list[Case] = [
          lambda: dict(n_in=3, hidden=4, n_out=2, dropout=0.1, seed=0, dtype=F64),
          ranges={"n_in": (1, None), "hidden": (1, None), "n_out": (1, None),
                  "seed": (0, None)}, bad={"dropout": [-0.1, 1.0, 1.5], "dtype": [torch.int64]}),
+    # --- models: replicas and NEq ----------------------------------------------------------
+    Case("parlearn.many_copies.replicas.stack", lambda: dict(models=_replicas()),
+         bad={"models": [[], "models", [torch.nn.Linear(3, 2), torch.nn.Linear(3, 3)]]}),
+    Case("parlearn.many_copies.replicas.check_stacked",
+         lambda: {k: v for k, v in _stack_kw().items() if k != "buffers"},
+         bad={"params": [{}, "params", {"0.weight": _t(2, 4, 3)}]}),
+    Case("parlearn.many_copies.replicas.sgd_step_batched",
+         lambda: dict(_stack_kw(), x=_xy()[0], y=_xy()[1], lr=0.1),
+         bad={"lr": POSITIVE, "x": [_t(3, 5, 3), _t(4, 3)], "y": [_t(5), _xy(4)[1]],
+              "buffers": ["buffers", {"b": _t(2)}],
+              "base": [torch.nn.BatchNorm1d(3)]}, legal={"x": [NAN_TENSOR]}),
+    Case("parlearn.many_copies.replicas.sgd_step_looped",
+         lambda: dict(models=_replicas(), x=_xy()[0], y=_xy()[1], lr=0.1),
+         bad={"lr": POSITIVE, "x": [_t(3, 5, 3), _t(0, 3)], "y": [_t(5), _xy(4)[1]],
+              "models": [[], "models", torch.nn.Linear(3, 2)]}, legal={"x": [NAN_TENSOR]}),
+    Case("parlearn.many_copies.replicas.predict",
+         lambda: dict(_stack_kw(), x=_xy()[0]), bad={"x": [_t(5), _t(2, 5, 3)]},
+         legal={"x": [NAN_TENSOR]}),
+    Case("parlearn.many_copies.replicas.train_batched",
+         lambda: dict(_stack_kw(), x=_xy()[0], y=_xy()[1], epochs=1, lr=0.1, batch_size=2,
+                      seed=0),
+         ranges={"epochs": (1, None), "batch_size": (1, None), "seed": (0, None)},
+         bad={"lr": POSITIVE, "x": [_t(0, 3)], "y": [_xy(4)[1]]}, legal={"x": [NAN_TENSOR]}),
+    Case("parlearn.many_copies.replicas.train_looped",
+         lambda: dict(models=_replicas(), x=_xy()[0], y=_xy()[1], epochs=1, lr=0.1,
+                      batch_size=2, seed=0),
+         ranges={"epochs": (1, None), "batch_size": (1, None), "seed": (0, None)},
+         bad={"lr": POSITIVE, "x": [_t(0, 3), _t(3, 5, 3)], "models": [[], "models"]},
+         legal={"x": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.neq.linear_layers", lambda: dict(model=_neq_net()),
+         bad={"model": [torch.nn.Sequential(), torch.nn.Sequential(torch.nn.LayerNorm(3)),
+                        torch.nn.Linear(3, 2), torch.nn.Sequential(torch.nn.BatchNorm1d(3,
+                                                                   affine=False))]}),
+    Case("parlearn.serial_chain.neq.masked_backward",
+         lambda: dict(model=_neq_net(), x=_xy()[0], y=_xy()[1], active=_masks()),
+         bad={"model": MODEL_BAD, "x": [_t(5, 4), _t(0, 3)], "y": [_xy(4)[1], _t(5)],
+              "active": [_masks()[:1], [_masks()[0], torch.ones(2)],
+                         [_masks()[0], torch.ones(3, dtype=torch.bool)]]},
+         legal={"x": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.neq.reference_backward",
+         lambda: dict(model=_neq_net(), x=_xy()[0], y=_xy()[1], active=_masks()),
+         bad={"model": MODEL_BAD, "x": [_t(5, 4)], "y": [_xy(4)[1]],
+              "active": [_masks()[:1]]}, legal={"x": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.neq.count_backward_flops",
+         lambda: dict(model=_neq_net(), x=_xy()[0], y=_xy()[1], active=_masks(), skip=True),
+         bad={"model": MODEL_BAD, "x": [_t(5, 4)], "y": [_xy(4)[1]], "active": [_masks()[:1]]},
+         legal={"x": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.neq.train",
+         lambda: dict(model=_neq_net(), x=_xy(6)[0], y=_xy(6)[1], x_val=_xy(6)[0][:3],
+                      epochs=2, eps=0.01, mu=0.5, lr=0.1, momentum=0.0, weight_decay=0.0,
+                      batch=4, seed=0, skip=True),
+         ranges={"epochs": (1, None), "eps": (0.0, None), "mu": (0.0, 1.0),
+                 "weight_decay": (0.0, None), "batch": (1, None), "seed": (0, None)},
+         bad={"model": MODEL_BAD, "lr": POSITIVE, "momentum": [1.0, -0.1],
+              "x_val": [_t(0, 3), _t(3, 4)], "x": [_t(0, 3)], "y": [_xy(5)[1]]},
+         legal={"x": [NAN_TENSOR], "x_val": [NAN_TENSOR]}),
+    # --- strads: the solver ---------------------------------------------------------------
+    Case("parlearn.serial_chain.strads.solver.solve",
+         lambda: dict(zip(("x", "y"), _lasso(), strict=True), alpha=0.1, workers=2, rounds=3,
+                      schedule="strads", rho=0.5, floor=1e-6, candidates=4, seed=0, shards=2,
+                      replay=None, w0=torch.zeros(4, dtype=F64)),
+         ranges={"workers": (1, 4), "rounds": (0, None), "candidates": (2, None),
+                 "seed": (0, None), "shards": (1, 12)},
+         bad={"alpha": POSITIVE, "rho": OPEN_UNIT, "floor": POSITIVE,
+              "replay": [[[0]], [[0], [1], [-1]], [[0], [4], [1]], [[0], [1, 1], [2]],
+                         [[0], [True], [1]], "0123"],
+              "w0": [torch.zeros(5, dtype=F64), torch.zeros(4)]},
+         legal={"candidates": [None], "replay": [None], "w0": [None]}),
+    Case("parlearn.serial_chain.strads.cost.shotgun_limit", lambda: dict(x=_lasso()[0]),
+         bad={"x": [torch.zeros(5, 2, dtype=F64), _t(4)]},
+         check=lambda r, kw: r >= 1),
+    Case("parlearn.serial_chain.strads.cost.time_to_gap",
+         lambda: dict(trace={"seconds": [0.0, 1.0, 2.0], "gap": [1.0, 0.1, 0.01]}, target=0.05),
+         bad={"target": POSITIVE, "trace": ["trace", {"seconds": [0.0]}]}),
+    # --- duality ----------------------------------------------------------------------------
+    Case("parlearn.serial_chain.duality.end_to_end", lambda: dict(weights=[_t(1, 3, 2),
+                                                                          _t(1, 2, 4)]),
+         bad={"weights": [[], [_t(1, 3, 2), _t(1, 3, 4)], "w"]}),
+    Case("parlearn.serial_chain.duality.end_to_end_loop",
+         lambda: dict(weights=[_t(1, 3, 2), _t(1, 2, 4)]),
+         bad={"weights": [[], [_t(1, 3, 2), _t(1, 3, 4)], "w"]}),
+    Case("parlearn.serial_chain.duality.convex_objective",
+         lambda: dict(w=_t(3, 4), m=_t(3, 4, seed=1), lam=0.1),
+         ranges={"lam": (0.0, None)}, bad={"w": [_t(3, 5)], "m": [_t(3)]}),
+    Case("parlearn.serial_chain.duality.standard_dual", lambda: dict(w=_t(3, 4), depth=2),
+         ranges={"depth": (2, None)}, bad={"w": [_t(3)]}),
+    Case("parlearn.serial_chain.duality.standard_min_norm", lambda: dict(w=_t(3, 4), depth=2),
+         ranges={"depth": (2, None)}, bad={"w": [_t(3)]}),
+    Case("parlearn.serial_chain.duality.init_branches",
+         lambda: dict(rows=3, cols=4, depth=2, branches=2, width=3, scale=0.5, seed=0,
+                      dtype=F64),
+         ranges={"rows": (1, None), "cols": (1, None), "depth": (2, None),
+                 "branches": (1, None), "width": (1, None), "seed": (0, None),
+                 "scale": (0.0, None)}, bad={"dtype": [torch.int64]}),
+    Case("parlearn.serial_chain.duality.rank_one_branches",
+         lambda: dict(m=_t(3, 4), lam=0.1, depth=2, branches=3, width=3),
+         ranges={"lam": (0.0, None), "depth": (2, None), "branches": (3, None),
+                 "width": (1, None)}, bad={"m": [_t(3)]}),
+    # --- repurpose --------------------------------------------------------------------------
+    Case("parlearn.serial_chain.repurpose.linears", lambda: dict(net=_relu_net()),
+         bad={"net": [torch.nn.Sequential(torch.nn.Linear(3, 2)), torch.nn.Linear(3, 2),
+                      torch.nn.Sequential(torch.nn.Linear(3, 4, bias=False), torch.nn.ReLU(),
+                                          torch.nn.Linear(4, 2))]}),
+    Case("parlearn.serial_chain.repurpose.accuracy",
+         lambda: dict(net=_relu_net(), x=_xy()[0], y=_xy()[1]),
+         bad={"net": MODEL_BAD, "x": [_t(5, 4), _t(5)], "y": [_xy(4)[1], _t(5)]},
+         legal={"x": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.repurpose.calibration_energy",
+         lambda: dict(net=_relu_net(), x=_xy()[0]),
+         bad={"net": MODEL_BAD, "x": [_t(5, 4), _t(5, 3).float(), _t(0, 3)]},
+         legal={"x": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.repurpose.off_block_mass",
+         lambda: dict(net=_relu_net(), k=2, energy=None, groups=None),
+         bad={"k": [3, 0], "net": MODEL_BAD},
+         legal={"energy": [None], "groups": [None]}),
+    Case("parlearn.serial_chain.repurpose.message_mask", lambda: dict(net=_relu_net(), k=2),
+         bad={"k": [3, 0], "net": MODEL_BAD}),
+    Case("parlearn.serial_chain.repurpose.comm_bytes",
+         lambda: dict(net=_relu_net(), k=2, batch=3, itemsize=8),
+         ranges={"batch": (1, None), "itemsize": (1, None)},
+         bad={"k": [3, 0], "net": MODEL_BAD}),
+    Case("parlearn.serial_chain.repurpose.megatron_bytes",
+         lambda: dict(net=_relu_net(), k=2, batch=3, itemsize=8),
+         ranges={"batch": (1, None), "itemsize": (1, None)},
+         bad={"k": [3, 0], "net": MODEL_BAD}),
+    Case("parlearn.serial_chain.repurpose.restructure",
+         lambda: dict(net=_relu_net(), k=2, x_calib=_xy()[0], sweeps=1, restarts=2, seed=0),
+         ranges={"sweeps": (0, None), "restarts": (1, None), "seed": (0, None)},
+         bad={"k": [3, 0], "net": MODEL_BAD, "x_calib": [_t(5, 4), _t(0, 3)]}),
+    Case("parlearn.serial_chain.repurpose.prune_and_refit",
+         lambda: dict(net=_relu_net(), k=2, x_calib=_xy(8)[0], prune=0.5, refit=True),
+         ranges={"prune": (0.0, 1.0)},
+         bad={"k": [3, 0], "net": MODEL_BAD, "x_calib": [_t(5, 4), _t(0, 3)]}),
+    # --- multigrid, dither, filters, value ---------------------------------------------------
+    Case("parlearn.serial_chain.multigrid.cost.cost_model",
+         lambda: dict(N=16, cfactor=2, levels=2, iters=2, relax="FCF", devices=4, record=False),
+         ranges={"iters": (1, None), "devices": (1, None)},
+         bad={"N": [0, -4], "cfactor": [1, 3], "levels": [0, 6]}, legal={"devices": [None]}),
+    Case("parlearn.many_copies.dither.noise.draw_noise",
+         lambda: dict(x=_t(3, 2), copies=2, dither="uniform", scale=0.1, dropout=0.2,
+                      generator=_gen()),
+         ranges={"copies": (1, None)},
+         bad={"scale": [0.0, -0.1], "dropout": [-0.1, 1.0, 1.5], "generator": [0, "g"]},
+         legal={"dither": [None], "dropout": [None], "generator": [None],
+                "x": [NAN_TENSOR]}),
+    Case("parlearn.elsewhere.filters.make_world",
+         lambda: dict(size=6, density=0.2, rays=4, sigma=0.3, max_range=3.0, seed=0),
+         ranges={"rays": (1, None), "seed": (0, None)},
+         bad={"size": [2, 0], "density": [0.61, -0.1, 0.9], "sigma": POSITIVE,
+              "max_range": POSITIVE}),
+    Case("parlearn.elsewhere.filters.transition_matrix",
+         lambda: dict(world=_world(), move=1, p_slip=0.2),
+         ranges={"p_slip": (0.0, 1.0), "move": (0, 4)}, bad={"world": ["world", None]}),
+    Case("parlearn.elsewhere.filters.measurement_update",
+         lambda: dict(log_w=_t(5) - 1, log_lik=_t(5, seed=1) - 1),
+         bad={"log_lik": [_t(4), _t(5, 2)], "log_w": [_t(5, 2)]}),
+    Case("parlearn.elsewhere.value.speed.random_episodes",
+         lambda: dict(n=3, length=4, n_actions=2, seed=0),
+         ranges={"n": (1, None), "length": (2, None), "n_actions": (1, None),
+                 "seed": (0, None)}),
+    Case("parlearn.elsewhere.value.backups.pad_episodes",
+         lambda: dict(episodes=[_episode(3), _episode(2, seed=1)]),
+         bad={"episodes": [[], "episodes", [{"rewards": torch.ones(2)}], ["episode"],
+                           [_episode(3), dict(_episode(2), actions=torch.zeros(3))]]}),
+    # --- third wave: leapfrog, local, neq and friends -------------------------------------
+    Case("parlearn.serial_chain.leapfrog.schedules.grad",
+         lambda: dict(model=_deep(), loss_fn=_ce(), x=_xy(5)[0], y=_xy(5)[1], workers=2,
+                      mode="leapfrog", threads_per_worker=1),
+         ranges={"workers": (1, None), "threads_per_worker": (1, None)},
+         bad={"model": MODEL_BAD, "loss_fn": ["ce"], "x": [_t(5, 4)]},
+         legal={"threads_per_worker": [None], "x": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.leapfrog.terms.forward",
+         lambda: dict(model=_deep(), loss_fn=_ce(), x=_xy(5)[0], y=_xy(5)[1]),
+         bad={"model": MODEL_BAD, "loss_fn": ["ce"], "x": [_t(5, 4)]},
+         legal={"x": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.leapfrog.schedules.timeline",
+         lambda: dict(model=_deep(), loss_fn=_ce(), x=_xy(5)[0], y=_xy(5)[1], workers=2,
+                      mode="serial", warmup=0, threads_per_worker=1),
+         ranges={"workers": (1, None), "warmup": (0, None), "threads_per_worker": (1, None)},
+         bad={"model": MODEL_BAD, "loss_fn": ["ce"]},
+         legal={"threads_per_worker": [None], "x": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.neq.accuracy",
+         lambda: dict(model=_neq_net(), x=_xy()[0], y=_xy()[1]),
+         bad={"model": ["model"], "x": [_t(0, 3)], "y": [_xy(4)[1], _t(5)]},
+         legal={"x": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.neq.measure_backward",
+         lambda: dict(widths=[4, 3, 2], batch=3, frozen=0.5, repeat=1, seed=0, device="cpu"),
+         ranges={"batch": (1, None), "frozen": (0.0, 1.0), "repeat": (1, None), "seed": (0, None)},
+         bad={"widths": BAD_WIDTHS}, skip={"device": "any device torch accepts"}),
+    Case("parlearn.serial_chain.local.net.make_net",
+         lambda: dict(widths=[3, 4, 4], blocks=2, classes=2, seed=0, dtype=F64, feedback=None),
+         ranges={"classes": (2, None), "seed": (0, None)},
+         bad={"widths": [[3], [3, 0, 4], [3, True, 4]], "blocks": [0, 3],
+              "dtype": [torch.int64]},
+         legal={"feedback": [None]}),
+    Case("parlearn.serial_chain.local.rules.accuracy",
+         lambda: dict(net=_local_net(), x=_xy()[0], y=_xy()[1]),
+         bad={"net": MODEL_BAD, "x": [_t(0, 3), _t(5)], "y": [_xy(4)[1], _t(5)]},
+         legal={"x": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.local.rules.backprop_step",
+         lambda: dict(net=_local_net(), x=_xy()[0], y=_xy()[1], lr=0.1, weight_decay=0.0),
+         ranges={"weight_decay": (0.0, None)},
+         bad={"net": MODEL_BAD, "lr": POSITIVE, "y": [_xy(4)[1]]},
+         legal={"x": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.duality.regulariser",
+         lambda: dict(weights=[_t(2, 3, 2), _t(2, 2, 4)], reg="parallel"),
+         bad={"weights": [[], "w", [_t(2, 3, 2), _t(3, 2, 4)]]}),
+    Case("parlearn.serial_chain.duality.objective",
+         lambda: dict(weights=[_t(2, 3, 2), _t(2, 2, 4)], m=_t(3, 4), lam=0.1, reg="parallel"),
+         ranges={"lam": (0.0, None)}, bad={"m": [_t(3, 5), _t(3)], "weights": [[], "w"]}),
+    Case("parlearn.serial_chain.repurpose.permute",
+         lambda: dict(net=_relu_net(), perms=[torch.tensor([1, 0, 3, 2]), torch.arange(4)]),
+         bad={"net": MODEL_BAD, "perms": [[torch.arange(4)], [torch.zeros(4, dtype=int),
+                                                               torch.arange(4)], "p"]}),
+    Case("parlearn.serial_chain.multigrid.stack.random_stack",
+         lambda: dict(n_layers=4, width=3, h=None, smoothness=1.0, scale=1.0, conv=False,
+                      channels=2, kernel=3, dtype=F64, seed=0),
+         ranges={"n_layers": (1, None), "width": (1, None), "seed": (0, None)},
+         bad={"dtype": [torch.int64]}, legal={"h": [None]}),
+    Case("parlearn.elsewhere.filters.resample",
+         lambda: dict(cell_index=torch.arange(5), log_w=torch.log_softmax(_t(5), 0), seed=0),
+         ranges={"seed": (0, None)},
+         bad={"log_w": [_t(4), _t(5, 2), torch.zeros(5, dtype=F64)],
+              "cell_index": [torch.arange(4), _t(5), torch.arange(0)]}),
+    Case("parlearn.elsewhere.filters.observe",
+         lambda: dict(world=_world(), cell_index=torch.tensor([0, 2, 1]), seed=0),
+         ranges={"seed": (0, None)},
+         bad={"world": ["world"], "cell_index": [torch.tensor([0, -1]), torch.tensor([0, 99]),
+                                                 torch.zeros(2, 2, dtype=torch.long)]}),
+    Case("parlearn.elsewhere.filters.log_likelihood",
+         lambda: dict(world=_world(), z=_t(4), cell_index=torch.tensor([0, 2, 1])),
+         bad={"world": ["world"], "cell_index": [torch.tensor([0, -1]), torch.tensor([0, 99])],
+              "z": [_t(3), _t(4, 1)]}, legal={"z": [NAN_TENSOR]}),
+    Case("parlearn.elsewhere.filters.posterior_histogram",
+         lambda: dict(world=_world(), cells=torch.tensor([0, 2, 2]), log_w=_t(3)),
+         bad={"world": ["world"], "cells": [torch.tensor([0, -1, 2]), torch.tensor([0, 2])],
+              "log_w": [_t(2), _t(3, 1)]}, legal={"log_w": [NAN_TENSOR]}),
+    Case("parlearn.elsewhere.filters.motion_step",
+         lambda: dict(world=_world(), cell_index=torch.tensor([0, 2, 1]), move=1, p_slip=0.2,
+                      seed=0),
+         ranges={"move": (0, 4), "p_slip": (0.0, 1.0), "seed": (0, None)},
+         bad={"world": ["world"], "cell_index": [torch.tensor([0, -1]), torch.tensor([99])]}),
 ]
 
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
 
-COVERED_ELSEWHERE: dict[str, str] = {}
+# Functions on ranks: each refuses every bad argument before a rank starts (a test replaces
+# parlearn.distributed.run with one that fails), and equals its one-process reference.
+_STRADS = "tests/serial_chain/test_strads.py::"
+_REPURPOSE = "tests/serial_chain/test_repurpose.py::"
+_LOCAL = "tests/serial_chain/test_local.py::"
+COVERED_ELSEWHERE: dict[str, str | list[str]] = {
+    "parlearn.serial_chain.strads.ranks.run_ranks": [
+        _STRADS + "test_run_ranks_refuses_every_bad_argument_before_any_rank_starts",
+        _STRADS + "test_two_ranks_equal_one_process"],
+    "parlearn.serial_chain.strads.ranks.strads_rank": _STRADS + "test_two_ranks_equal_one_process",
+    "parlearn.serial_chain.repurpose.split_inference": [
+        _REPURPOSE + "test_rank_entry_points_refuse_before_any_rank_starts",
+        _REPURPOSE + "test_split_on_ranks_equals_the_pruned_net"],
+    "parlearn.serial_chain.repurpose.megatron_inference": [
+        _REPURPOSE + "test_rank_entry_points_refuse_before_any_rank_starts",
+        _REPURPOSE + "test_megatron_baseline_equals_the_net_and_its_byte_model"],
+    "parlearn.serial_chain.repurpose.split_worker":
+        _REPURPOSE + "test_split_on_ranks_equals_the_pruned_net",
+    "parlearn.serial_chain.repurpose.megatron_worker":
+        _REPURPOSE + "test_megatron_baseline_equals_the_net_and_its_byte_model",
+    "parlearn.serial_chain.local.rules.run_local": [
+        _LOCAL + "test_run_local_refuses_every_bad_argument_before_any_rank_starts",
+        _LOCAL + "test_multi_rank_run_equals_single_process"],
+}
 EXEMPT: dict[str, str] = {}
 
 # Public callables whose contract test is still to be written (test_completeness: only shrinks).
@@ -347,23 +672,14 @@ PENDING = [
     "parlearn.elsewhere.filters.bench",
     "parlearn.elsewhere.filters.expected_scans",
     "parlearn.elsewhere.filters.grid_filter",
-    "parlearn.elsewhere.filters.log_likelihood",
-    "parlearn.elsewhere.filters.make_world",
-    "parlearn.elsewhere.filters.measurement_update",
-    "parlearn.elsewhere.filters.motion_step",
     "parlearn.elsewhere.filters.net_log_likelihood",
     "parlearn.elsewhere.filters.net_log_likelihood_looped",
-    "parlearn.elsewhere.filters.observe",
     "parlearn.elsewhere.filters.particle_filter",
-    "parlearn.elsewhere.filters.posterior_histogram",
-    "parlearn.elsewhere.filters.resample",
     "parlearn.elsewhere.filters.simulate",
     "parlearn.elsewhere.filters.throughput",
     "parlearn.elsewhere.filters.tracking_error",
     "parlearn.elsewhere.filters.train_dmu",
-    "parlearn.elsewhere.filters.transition_matrix",
     "parlearn.elsewhere.value.backups.TSoftState",
-    "parlearn.elsewhere.value.backups.pad_episodes",
     "parlearn.elsewhere.value.dqn.DQNConfig",
     "parlearn.elsewhere.value.dqn.DQNResult",
     "parlearn.elsewhere.value.dqn.QNet",
@@ -372,7 +688,6 @@ PENDING = [
     "parlearn.elsewhere.value.dqn.train",
     "parlearn.elsewhere.value.speed.bench",
     "parlearn.elsewhere.value.speed.ebu_speed",
-    "parlearn.elsewhere.value.speed.random_episodes",
     "parlearn.many_copies.decoding.loop.DecodeResult",
     "parlearn.many_copies.decoding.loop.decode",
     "parlearn.many_copies.decoding.mean_field.auto_tau",
@@ -399,7 +714,6 @@ PENDING = [
     "parlearn.many_copies.dither.gradients.parallel_grad",
     "parlearn.many_copies.dither.gradients.sequential_grad",
     "parlearn.many_copies.dither.noise.Noise",
-    "parlearn.many_copies.dither.noise.draw_noise",
     "parlearn.many_copies.dither.regimes.History",
     "parlearn.many_copies.dither.regimes.bench",
     "parlearn.many_copies.dither.regimes.compare_regimes",
@@ -441,15 +755,8 @@ PENDING = [
     "parlearn.many_copies.qd.throughput.bench",
     "parlearn.many_copies.qd.throughput.evals_per_second",
     "parlearn.many_copies.replicas.bench",
-    "parlearn.many_copies.replicas.check_stacked",
     "parlearn.many_copies.replicas.instant_learning",
-    "parlearn.many_copies.replicas.predict",
-    "parlearn.many_copies.replicas.sgd_step_batched",
-    "parlearn.many_copies.replicas.sgd_step_looped",
-    "parlearn.many_copies.replicas.stack",
     "parlearn.many_copies.replicas.throughput",
-    "parlearn.many_copies.replicas.train_batched",
-    "parlearn.many_copies.replicas.train_looped",
     "parlearn.many_copies.rl.advantages.gae",
     "parlearn.many_copies.rl.advantages.gae_loop",
     "parlearn.many_copies.rl.envs.Env",
@@ -468,24 +775,12 @@ PENDING = [
     "parlearn.many_copies.rl.throughput.bench",
     "parlearn.many_copies.rl.throughput.env_steps_per_second",
     "parlearn.serial_chain.duality.TrainResult",
-    "parlearn.serial_chain.duality.convex_objective",
-    "parlearn.serial_chain.duality.end_to_end",
-    "parlearn.serial_chain.duality.end_to_end_loop",
     "parlearn.serial_chain.duality.gap_table",
-    "parlearn.serial_chain.duality.init_branches",
-    "parlearn.serial_chain.duality.objective",
-    "parlearn.serial_chain.duality.rank_one_branches",
-    "parlearn.serial_chain.duality.regulariser",
-    "parlearn.serial_chain.duality.standard_dual",
-    "parlearn.serial_chain.duality.standard_min_norm",
     "parlearn.serial_chain.duality.train",
     "parlearn.serial_chain.leapfrog.cost.bench",
     "parlearn.serial_chain.leapfrog.schedules.backward",
-    "parlearn.serial_chain.leapfrog.schedules.grad",
-    "parlearn.serial_chain.leapfrog.schedules.timeline",
     "parlearn.serial_chain.leapfrog.terms.Tape",
     "parlearn.serial_chain.leapfrog.terms.chain_step",
-    "parlearn.serial_chain.leapfrog.terms.forward",
     "parlearn.serial_chain.leapfrog.terms.weight_grads",
     "parlearn.serial_chain.local.cost.bench",
     "parlearn.serial_chain.local.cost.block_costs",
@@ -493,18 +788,13 @@ PENDING = [
     "parlearn.serial_chain.local.net.LocalNet",
     "parlearn.serial_chain.local.net.as_sequential",
     "parlearn.serial_chain.local.net.feedback_angle",
-    "parlearn.serial_chain.local.net.make_net",
     "parlearn.serial_chain.local.rules.LocalRun",
     "parlearn.serial_chain.local.rules.TrainResult",
-    "parlearn.serial_chain.local.rules.accuracy",
-    "parlearn.serial_chain.local.rules.backprop_step",
     "parlearn.serial_chain.local.rules.compare_rules",
     "parlearn.serial_chain.local.rules.local_step",
-    "parlearn.serial_chain.local.rules.run_local",
     "parlearn.serial_chain.local.rules.train",
     "parlearn.serial_chain.multigrid.cost.bench",
     "parlearn.serial_chain.multigrid.cost.calibrate",
-    "parlearn.serial_chain.multigrid.cost.cost_model",
     "parlearn.serial_chain.multigrid.layer_parallel.LayerParallelResNet",
     "parlearn.serial_chain.multigrid.layer_parallel.SerialResNet",
     "parlearn.serial_chain.multigrid.layer_parallel.mgrit_adjoint",
@@ -519,40 +809,13 @@ PENDING = [
     "parlearn.serial_chain.multigrid.stack.ResidualStack",
     "parlearn.serial_chain.multigrid.stack.conv_tanh",
     "parlearn.serial_chain.multigrid.stack.dense_tanh",
-    "parlearn.serial_chain.multigrid.stack.random_stack",
     "parlearn.serial_chain.neq.Equilibrium",
     "parlearn.serial_chain.neq.NEqRun",
-    "parlearn.serial_chain.neq.accuracy",
     "parlearn.serial_chain.neq.bench",
-    "parlearn.serial_chain.neq.count_backward_flops",
-    "parlearn.serial_chain.neq.linear_layers",
-    "parlearn.serial_chain.neq.masked_backward",
-    "parlearn.serial_chain.neq.measure_backward",
-    "parlearn.serial_chain.neq.reference_backward",
-    "parlearn.serial_chain.neq.train",
-    "parlearn.serial_chain.repurpose.accuracy",
     "parlearn.serial_chain.repurpose.assign_groups",
-    "parlearn.serial_chain.repurpose.calibration_energy",
-    "parlearn.serial_chain.repurpose.comm_bytes",
     "parlearn.serial_chain.repurpose.digits_mlp",
-    "parlearn.serial_chain.repurpose.linears",
-    "parlearn.serial_chain.repurpose.megatron_bytes",
-    "parlearn.serial_chain.repurpose.megatron_inference",
-    "parlearn.serial_chain.repurpose.megatron_worker",
-    "parlearn.serial_chain.repurpose.message_mask",
-    "parlearn.serial_chain.repurpose.off_block_mass",
-    "parlearn.serial_chain.repurpose.permute",
-    "parlearn.serial_chain.repurpose.prune_and_refit",
-    "parlearn.serial_chain.repurpose.restructure",
-    "parlearn.serial_chain.repurpose.split_inference",
-    "parlearn.serial_chain.repurpose.split_worker",
     "parlearn.serial_chain.repurpose.tradeoff",
     "parlearn.serial_chain.strads.cost.bench",
-    "parlearn.serial_chain.strads.cost.shotgun_limit",
-    "parlearn.serial_chain.strads.cost.time_to_gap",
     "parlearn.serial_chain.strads.cost.timed_runs",
-    "parlearn.serial_chain.strads.ranks.run_ranks",
-    "parlearn.serial_chain.strads.ranks.strads_rank",
     "parlearn.serial_chain.strads.solver.LassoRun",
-    "parlearn.serial_chain.strads.solver.solve",
 ]

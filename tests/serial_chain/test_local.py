@@ -295,3 +295,20 @@ BAD = [
 def test_bad_calls_fail_fast(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+def test_run_local_refuses_every_bad_argument_before_any_rank_starts(monkeypatch):
+    import parlearn.distributed
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("ranks were started for a call that should have been refused")
+
+    monkeypatch.setattr(parlearn.distributed, "run", no_ranks)
+    net = lo.make_net([8, 6, 4], 2)
+    x, y = _data()
+    for name, kw in [("epochs", dict(epochs=0)), ("batch", dict(batch=0)),
+                     ("batch", dict(batch=2.0)), ("lr", dict(lr=0.0)), ("seed", dict(seed=-1)),
+                     ("weight_decay", dict(weight_decay=-1.0)), ("timeout", dict(timeout=0.0)),
+                     ("timeout", dict(timeout=True))]:
+        with pytest.raises((ValueError, TypeError), match=name):
+            lo.run_local(net, x, y, **kw)

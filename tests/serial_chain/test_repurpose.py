@@ -2,6 +2,8 @@
 the pruned net in one process, off-block mass falls on a planted structure, the refit never
 fits worse than plain pruning, and bytes counted by the ledger equal the byte model."""
 
+import math
+
 import pytest
 import torch
 import zoo
@@ -171,7 +173,7 @@ def test_bad_input_fails_fast():
         rp.permute(net, [torch.arange(8)])
     with pytest.raises(ValueError, match=r"perms\[0\] must be a permutation"):
         rp.permute(net, [torch.zeros(8, dtype=torch.long), torch.arange(8)])
-    with pytest.raises(ValueError, match="x must have 2"):
+    with pytest.raises(ValueError, match=r"x must have shape \(\*, 6\)"):
         rp.split_inference(net, 2, torch.zeros(3, dtype=torch.float64))
 
 
@@ -211,3 +213,23 @@ def test_calibration_refuses_a_dtype_other_than_the_nets():
         rp.calibration_energy(net, x)
     with pytest.raises(TypeError, match="x_calib"):
         rp.prune_and_refit(net, 2, x, 0.5)
+
+
+@pytest.mark.parametrize("entry", [rp.split_inference, rp.megatron_inference])
+def test_rank_entry_points_refuse_before_any_rank_starts(monkeypatch, entry):
+    import parlearn.distributed
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("ranks were started for a call that should have been refused")
+
+    monkeypatch.setattr(parlearn.distributed, "run", no_ranks)
+    net = zoo.build("relu")
+    x, _ = zoo.batch(7)
+    for name, kw in [("k", dict(k=5)), ("k", dict(k=0)), ("k", dict(k=True)),
+                     ("x", dict(x=x.float())), ("x", dict(x=x[:, :5])), ("x", dict(x="x")),
+                     ("net", dict(net=zoo.build("no_bias"))), ("net", dict(net="net")),
+                     ("timeout", dict(timeout=0.0)), ("timeout", dict(timeout=math.inf))]:
+        args = dict(net=net, k=2, x=x)
+        args.update(kw)
+        with pytest.raises((ValueError, TypeError), match=name):
+            entry(**args)

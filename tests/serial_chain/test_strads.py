@@ -264,3 +264,26 @@ def test_schedules_refuse_workers_and_rho_out_of_range():
     # The legal edges still run: rho = 1 and workers = d.
     assert len(st.dependency_filter(cand, corr, 1.0, 6)) == 6
     assert sorted(st.shotgun_schedule(6, 6, g).tolist()) == list(range(6))
+
+
+def test_run_ranks_refuses_every_bad_argument_before_any_rank_starts(monkeypatch):
+    import parlearn.distributed
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("ranks were started for a call that should have been refused")
+
+    monkeypatch.setattr(parlearn.distributed, "run", no_ranks)
+    x, y, _ = st.correlated_design(20, 6, groups=2, k_true=3, seed=0)
+    bad = [("workers", dict(workers=0)), ("workers", dict(workers=7)),
+           ("rho", dict(rho=1.5)), ("rho", dict(rho=0.0)), ("floor", dict(floor=0.0)),
+           ("candidates", dict(workers=3, candidates=2)), ("world_size", dict(world_size=0)),
+           ("world_size", dict(world_size=True)), ("rounds", dict(rounds=-1)),
+           ("replay", dict(rounds=2, replay=[[0], [-1]])), ("seed", dict(seed=-1)),
+           ("timeout", dict(timeout=0.0)), ("timeout", dict(timeout=math.nan)),
+           ("schedule", dict(schedule="random")), ("alpha", dict(alpha=0.0))]
+    for name, kw in bad:
+        args = dict(alpha=ALPHA, rounds=2)
+        args.update(kw)
+        alpha = args.pop("alpha")
+        with pytest.raises((ValueError, TypeError), match=name):
+            st.run_ranks(x, y, alpha, **args)

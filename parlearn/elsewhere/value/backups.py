@@ -153,8 +153,25 @@ def pad_episodes(episodes: Sequence[dict]) -> dict:
     """Stack episodes (dicts of per-step tensors ``obs``, ``next_obs``, ``actions``,
     ``rewards`` and a bool ``terminal``) into padded ``(B, L, ...)`` tensors plus
     ``lengths``; pads with zeros (which :func:`ebu_targets` masks out)."""
+    if isinstance(episodes, str | dict) or not isinstance(episodes, Sequence):
+        raise TypeError(f"episodes must be a sequence of dicts, got {type(episodes).__name__}")
     if not episodes:
         raise ValueError("episodes must hold at least one episode")
+    keys = ("obs", "next_obs", "actions", "rewards")
+    for b, e in enumerate(episodes):
+        if not isinstance(e, dict) or not {*keys, "terminal"} <= set(e):
+            raise TypeError(f"episodes[{b}] must be a dict with {[*keys, 'terminal']}, got "
+                            f"{e!r}")
+        t = check_tensor(f"episodes[{b}]['rewards']", e["rewards"], ndim=1).shape[0]
+        if t == 0:
+            raise ValueError(f"episodes[{b}] must hold at least one step")
+        for key in keys:
+            first = check_tensor(f"episodes[0][{key!r}]", episodes[0][key])
+            v = check_tensor(f"episodes[{b}][{key!r}]", e[key])
+            if v.shape[0] != t or v.shape[1:] != first.shape[1:] or v.dtype != first.dtype:
+                raise ValueError(f"episodes[{b}][{key!r}] must be ({t}, "
+                                 f"*{tuple(first.shape[1:])}) of dtype {first.dtype}, got "
+                                 f"{tuple(v.shape)} {v.dtype}")
     lengths = torch.tensor([len(e["rewards"]) for e in episodes])
     L = int(lengths.max())
     out: dict = {"lengths": lengths,

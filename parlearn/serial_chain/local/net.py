@@ -165,6 +165,8 @@ def make_net(widths: Sequence[int], blocks: int, classes: int = 10, *, seed: int
         raise ValueError(f"widths needs at least 2 entries, got {list(widths)}")
     widths = [check_int("widths", w, lo=1) for w in widths]
     classes = check_int("classes", classes, lo=2)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     blocks = check_int("blocks", blocks, lo=1, hi=len(widths) - 1)
     if feedback is not None:
         check_choice("feedback", feedback, ("hebbian", "fixed"))

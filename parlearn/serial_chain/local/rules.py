@@ -77,6 +77,12 @@ def backprop_step(net: LocalNet, x: torch.Tensor, y: torch.Tensor, lr: float,
     """One SGD step of global backprop on the cross-entropy of ``net(x)``: every block and
     the last head (and ``R`` of hebbian :class:`FeedbackLinear` layers, which then take the
     Hebbian step). Returns the loss. ``.grad`` is not touched."""
+    if not isinstance(net, LocalNet):
+        raise TypeError(f"net must be a LocalNet, got {type(net).__name__}")
+    check_tensor("x", x, ndim=2, floating=True)
+    check_tensor("y", y, shape=(x.shape[0],), floating=False)
+    lr = check_float("lr", lr, lo=0, lo_open=True)
+    weight_decay = check_float("weight_decay", weight_decay, lo=0)
     params = _trainable(net.global_params())
     loss = F.cross_entropy(net(x), y)
     _sgd(params, torch.autograd.grad(loss, params), lr, weight_decay)
@@ -174,6 +180,12 @@ def _check_train(net, x, y, rule, lr, weight_decay):
 
 def accuracy(net: LocalNet, x: torch.Tensor, y: torch.Tensor) -> float:
     """Fraction of ``x`` whose arg-max output is ``y`` (the network's own, last head)."""
+    if not isinstance(net, LocalNet):
+        raise TypeError(f"net must be a LocalNet, got {type(net).__name__}")
+    check_tensor("x", x, ndim=2, floating=True)
+    if x.shape[0] == 0:
+        raise ValueError("x must hold at least one example, got 0 rows")
+    check_tensor("y", y, shape=(x.shape[0],), floating=False)
     with torch.no_grad():
         return float((net(x).argmax(1) == y).double().mean())
 
@@ -312,6 +324,7 @@ def run_local(net: LocalNet, x: torch.Tensor, y: torch.Tensor, *, epochs: int = 
 
     lr, weight_decay = _check_train(net, x, y, "heads", lr, weight_decay)
     blocks = check_int("blocks", len(net.blocks), lo=2)
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     widths = [_out_width(b) for b in net.blocks]
     batches = minibatches(len(x), batch, epochs, seed)
     _preimport()

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from parlearn.core.checks import check_float, check_int
+from parlearn.core.checks import check_float, check_int, check_tensor
 from parlearn.serial_chain.strads.ranks import run_ranks
 from parlearn.serial_chain.strads.solver import (
     check_problem,
@@ -39,6 +39,7 @@ def shotgun_limit(x: torch.Tensor) -> float:
     al.'s (2011) largest number of simultaneous updates for which Shotgun's convergence
     bound still improves linearly (modeled; 1 when all columns are equal, ``d`` when they
     are orthogonal)."""
+    check_tensor("x", x, ndim=2, floating=True)
     x = check_problem(x, x[:, 0], 1.0)[0]
     n = x.shape[0]
     z = x / x.norm(dim=0) * n ** 0.5
@@ -103,6 +104,12 @@ def timed_runs(x: torch.Tensor, y: torch.Tensor, alpha: float, f_star: float, *,
 def time_to_gap(trace: dict[str, list[float]], target: float) -> float:
     """The first wall time at which ``trace["gap"]`` is at or below ``target``
     (``inf`` if never)."""
+    if not isinstance(trace, dict) or not {"seconds", "gap"} <= set(trace):
+        raise TypeError(f"trace must be a dict with 'seconds' and 'gap', got {trace!r}")
+    if len(trace["seconds"]) != len(trace["gap"]):
+        raise ValueError(f"trace's 'seconds' and 'gap' must be as long, got "
+                         f"{len(trace['seconds'])} and {len(trace['gap'])}")
+    target = check_float("target", target, lo=0, lo_open=True)
     return next((t for t, g in zip(trace["seconds"], trace["gap"], strict=True) if g <= target),
                 float("inf"))
 

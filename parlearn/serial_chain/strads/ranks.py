@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as tdist
 
-from parlearn.core.checks import check_int, check_seed
+from parlearn.core.checks import check_float, check_int, check_seed
 from parlearn.serial_chain.strads.solver import (
     LassoRun,
     _blocks,
@@ -104,6 +104,7 @@ def run_ranks(x: torch.Tensor, y: torch.Tensor, alpha: float, *, world_size: int
 
     x, y, alpha = check_problem(x, y, alpha)
     world_size = check_int("world_size", world_size, lo=1, hi=x.shape[0])
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     workers, rounds, rho, floor, candidates = _check_common(workers, rounds, schedule, rho,
                                                             floor, candidates)
     seed = check_seed("seed", seed)

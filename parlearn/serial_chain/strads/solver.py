@@ -322,8 +322,10 @@ def _check_common(workers, rounds, schedule, rho, floor, candidates):
                          f"1, got {workers}")
     rho = check_float("rho", rho, lo=0, hi=1, lo_open=True)
     floor = check_float("floor", floor, lo=0, lo_open=True)
-    candidates = workers * 4 if candidates is None else check_int("candidates", candidates,
-                                                                  lo=workers)
+    if candidates is None:
+        candidates = workers * 4
+    elif check_int("candidates", candidates, lo=1) < workers:
+        raise ValueError(f"candidates={candidates} must be at least workers={workers}")
     return workers, rounds, rho, floor, candidates
 
 
