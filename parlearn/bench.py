@@ -50,7 +50,7 @@ BENCHES: dict[str, tuple[str, str]] = {
                   "layer-parallel forward/backward (MGRIT) vs the best serial ResNet"),
     "local": ("parlearn.serial_chain.local.cost",
               "asynchronous local-heads pipeline vs pipelined backprop on the same 2 ranks"),
-    "neq": ("parlearn.serial_chain.neq",
+    "neq": ("parlearn.serial_chain.neq.training",
             "NEq backward skipping 75% frozen rows vs full autograd; counted FLOPs as model"),
     "strads": ("parlearn.serial_chain.strads.cost",
                "Lasso CD: STRADS (P=8, 2 gloo ranks) vs sklearn: updates/s, time to gap 1e-6"),
@@ -65,7 +65,7 @@ BENCHES: dict[str, tuple[str, str]] = {
                   "EigenGame samples/s: batched vs batch-1; 8 fake devices vs 1 (JAX)"),
     "decoding": ("parlearn.many_copies.decoding.measure",
                  "forward passes per sequence at >= 99% validity, and the decoder's own time"),
-    "replicas": ("parlearn.many_copies.replicas",
+    "replicas": ("parlearn.many_copies.replicas.runs",
                  "R replicas' SGD steps: one vmap program vs a Python loop of R models"),
     # Part 4: the same patterns elsewhere in ML
     "value": ("parlearn.elsewhere.value.speed",

@@ -80,5 +80,6 @@ def agree(fields: dict[str, Any], error: BaseException | None = None, group=None
     for name in fields:
         values = [f.get(name) for f, _ in gathered]
         if any(v != values[0] for v in values[1:]):
-            raise ValueError(f"{name} must be the same on every rank, got "
-                             + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values)))
+            got = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            raise ValueError(f"{name} must be the same on every rank (it differs between "
+                             f"ranks), got {got}")

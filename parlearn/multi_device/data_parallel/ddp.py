@@ -47,6 +47,7 @@ from parlearn.core.checks import (
     check_module,
     check_tensor,
 )
+from parlearn.distributed.agree import agree
 
 __all__ = ["NaiveDP", "BucketedDP", "CompressedDP", "make_ddp", "TiedMLP", "train_reference",
            "shard", "DPStepModel", "dp_step_model", "worker_train"]
@@ -66,19 +67,12 @@ def refuse_batch_statistics(module: nn.Module, who: str) -> None:
 
 
 def check_same_on_every_rank(module: nn.Module, group, who: str) -> None:
-    """One ``all_gather_object`` of the parameters' and buffers' names, shapes, dtypes and
-    ``requires_grad``: a model that differs between ranks is a ``ValueError`` on every rank
-    before any other message (not a hang or a garbled broadcast)."""
-    sig = [(n, tuple(t.shape), str(t.dtype), bool(t.requires_grad))
-           for n, t in [*module.named_parameters(), *module.named_buffers()]]
-    everyone: list = [None] * tdist.get_world_size(group)
-    tdist.all_gather_object(everyone, sig, group=group)
-    for r, other in enumerate(everyone):
-        if other != sig:
-            diff = next((f"{a} vs {b}" for a, b in zip(sig, other, strict=False) if a != b),
-                        f"{len(sig)} vs {len(other)} tensors")
-            raise ValueError(f"module differs between ranks (this rank vs rank {r}: {diff}); "
-                             f"{who} needs the same model on every rank")
+    """The parameters' and buffers' names, shapes, dtypes and ``requires_grad`` agree on every
+    rank (:func:`parlearn.distributed.agree.agree`, before any other message): a model that
+    differs is a ``ValueError`` on every rank, not a hang or a garbled broadcast."""
+    agree({f"module (wrapped by {who}: names, shapes, dtypes, requires_grad)": [
+        (n, tuple(t.shape), str(t.dtype), bool(t.requires_grad))
+        for n, t in [*module.named_parameters(), *module.named_buffers()]]}, group=group)
 
 
 class _DataParallel(nn.Module):
