@@ -435,7 +435,13 @@ def modeled_step_ratio(numel: int, world_size: int, link, *, compute_s: float,
     8 bits pay. The fp32 all-reduce is one message of all gradients (nothing overlapped),
     as the 8-bit one is."""
     from parlearn.distributed import collective_time
+    from parlearn.distributed.cost import AlphaBeta
 
+    numel = check_int("numel", numel, lo=1)
+    world_size = check_int("world_size", world_size, lo=1)
+    if not isinstance(link, AlphaBeta | dict):
+        raise TypeError(f"link must be an AlphaBeta or a mapping of collective names to "
+                        f"AlphaBeta, got {type(link).__name__}")
     compute_s = check_float("compute_s", compute_s, lo=0)
     t32 = compute_s + collective_time("all_reduce", 4 * numel, world_size, link)
     t8 = compute_s + compressed_all_reduce_time(numel, world_size, link, quantize_s=quantize_s,

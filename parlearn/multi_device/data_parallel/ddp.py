@@ -460,7 +460,9 @@ def dp_step_model(param_bytes: Sequence[int], world_size: int, model, *,
     """
     from parlearn.distributed import AlphaBeta, collective_time
 
-    sizes = [check_int("param_bytes[i]", int(b), lo=1) for b in param_bytes]
+    if isinstance(param_bytes, str) or not isinstance(param_bytes, Sequence):
+        raise TypeError(f"param_bytes must be a sequence of ints, got {param_bytes!r}")
+    sizes = [check_int(f"param_bytes[{i}]", b, lo=1) for i, b in enumerate(param_bytes)]
     if not sizes:
         raise ValueError("param_bytes must not be empty")
     world_size = check_int("world_size", world_size, lo=1)
