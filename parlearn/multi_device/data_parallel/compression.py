@@ -260,6 +260,13 @@ def compressed_all_reduce_reference(xs: list[torch.Tensor], *, average: bool = T
     """Single-process reference of :func:`compressed_all_reduce`, with the serial
     reference coders: ``xs[r]`` is rank r's tensor (``error_feedback[r]`` its state);
     returns the result every rank gets."""
+    if isinstance(xs, str | torch.Tensor) or not isinstance(xs, list | tuple):
+        raise TypeError(f"xs must be a list of tensors, one per rank, got {type(xs).__name__}")
+    check_bool("average", average)
+    if error_feedback is not None and (not isinstance(error_feedback, list | tuple) or not all(
+            isinstance(e, ErrorFeedback) for e in error_feedback)):
+        raise TypeError(f"error_feedback must be a list of ErrorFeedback or None, got "
+                        f"{error_feedback!r}")
     world = len(xs)
     if world < 1:
         raise ValueError("xs must hold at least one tensor")
