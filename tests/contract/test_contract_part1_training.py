@@ -53,6 +53,18 @@ def _ab():
     return AlphaBeta(1e-5, 1e-9)
 
 
+def _problem():
+    from parlearn.multi_device.batching.tasks import LinearRegressionProblem
+
+    return LinearRegressionProblem(4, seed=0)
+
+
+def _history():
+    from parlearn.multi_device.batching.training import History
+
+    return History("sgd", samples=[8, 16], loss=[1.0, 0.6, 0.4])
+
+
 def _cluster():
     from parlearn.multi_device.mesh.planner import Cluster
 
@@ -395,6 +407,18 @@ CASES: list[Case] = [
          lambda: dict(model=torch.nn.Linear(2, 2), optimizer=torch.optim.SGD(
              torch.nn.Linear(2, 2).parameters(), lr=0.1)),
          bad={"optimizer": ["adam", 3]}),
+    Case(P + "transformer.corpus.CharCorpus",
+         lambda: dict(chars="abc", train=torch.tensor([0, 1, 2, 1]), val=torch.tensor([2, 0])),
+         bad={"chars": ["", "aab", 3], "train": [torch.tensor([0, 3]), torch.tensor([-1]),
+                                                   torch.zeros(2), torch.zeros(2, 2).long()],
+              "val": [torch.tensor([5])]}),
+    Case(P + "batching.tasks.RegressionTask", lambda: dict(problem=_problem(), seed=0),
+         ranges={"seed": (0, None)}, bad={"problem": ["p", 3]}),
+    Case(P + "batching.training.samples_to_target",
+         lambda: dict(hist=_history(), target_loss=0.5),
+         bad={"hist": ["h", {"loss": [1.0]}]}),
+    Case(P + "memory.measured.saved_tensors", lambda: dict(autocast=torch.bfloat16),
+         args=lambda: (torch.nn.Linear(3, 2), torch.ones(4, 3)), bad={"autocast": [torch.int64]}),
     # --- batching: closed forms -------------------------------------------------------------
     Case(P + "batching.noise_scale.expected_cosine", lambda: dict(b_simple=10.0, batch=32.0),
          ranges={"b_simple": (0.0, None)}, bad={"batch": [0.0, -1.0]}),
@@ -486,10 +510,8 @@ PENDING = [
     "parlearn.multi_device.batching.noise_scale.measure_noise_scale",
     "parlearn.multi_device.batching.noise_scale.monte_carlo_halves",
     "parlearn.multi_device.batching.tasks.DigitsTask",
-    "parlearn.multi_device.batching.tasks.RegressionTask",
     "parlearn.multi_device.batching.tradeoff.batch_sweep",
     "parlearn.multi_device.batching.tradeoff.bench",
-    "parlearn.multi_device.batching.training.samples_to_target",
     "parlearn.multi_device.data_parallel.compression.Dettmers8HookState",
     "parlearn.multi_device.data_parallel.compression.compressed_all_reduce",
     "parlearn.multi_device.data_parallel.compression.dettmers8_hook",
@@ -504,7 +526,6 @@ PENDING = [
     "parlearn.multi_device.data_parallel.workers.worker_rank_coding",
     "parlearn.multi_device.data_parallel.workers.worker_slow_link",
     "parlearn.multi_device.data_parallel.workers.worker_step_time",
-    "parlearn.multi_device.memory.measured.saved_tensors",
     "parlearn.multi_device.mesh.composed.assemble",
     "parlearn.multi_device.mesh.composed.mesh_check",
     "parlearn.multi_device.mesh.composed.mesh_train_worker",
@@ -514,5 +535,4 @@ PENDING = [
     "parlearn.multi_device.sharding.jax_update.jax_sharded_adam",
     "parlearn.multi_device.sharding.jax_update.jax_sharded_adam_subprocess",
     "parlearn.multi_device.sharding.training.bench",
-    "parlearn.multi_device.transformer.corpus.CharCorpus",
 ]
