@@ -155,9 +155,23 @@ class HalfStats:
     trace: float
     batch: int
 
+    def __post_init__(self) -> None:
+        # cos is a computed ratio: finite, but a rounding hair past +-1 is not refused
+        check_float("cos", self.cos)
+        check_float("g2", self.g2)
+        check_float("trace", self.trace, lo=0)
+        _check_even_batch(self.batch)
+
     @property
     def b_simple(self) -> float:
         return self.trace / self.g2 if self.g2 != 0 else math.inf
+
+
+def _check_even_batch(batch: int) -> int:
+    batch = check_int("batch", batch, lo=2)
+    if batch % 2:
+        raise ValueError(f"batch must be even (two equal halves), got {batch}")
+    return batch
 
 
 def two_half_stats(a: torch.Tensor, b: torch.Tensor, batch: int) -> HalfStats:
@@ -165,7 +179,7 @@ def two_half_stats(a: torch.Tensor, b: torch.Tensor, batch: int) -> HalfStats:
     each the mean over ``batch / 2`` examples)."""
     check_tensor("a", a, ndim=1, floating=True)
     check_tensor("b", b, shape=(a.shape[0],), floating=True)
-    batch = check_int("batch", batch, lo=2)
+    batch = _check_even_batch(batch)
     dot = float(a @ b)
     na, nb = float(a.norm()), float(b.norm())
     cos = dot / (na * nb) if na > 0 and nb > 0 else 0.0

@@ -122,6 +122,12 @@ class RegressionTask:
     problem: LinearRegressionProblem
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.problem, LinearRegressionProblem):
+            raise TypeError(f"problem must be a LinearRegressionProblem, got "
+                            f"{type(self.problem).__name__}")
+        check_int("seed", self.seed, lo=0)
+
     def draw(self, step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.problem.sample(n, torch.Generator().manual_seed(self.seed * 1_000_003 + step))
 

@@ -262,6 +262,8 @@ def worker_train(rank: int, world_size: int, model: nn.Module, task, kwargs: dic
 def samples_to_target(hist: History, target_loss: float) -> tuple[int, int] | None:
     """``(steps, samples)`` at the first step whose evaluated loss is at most
     ``target_loss``, or None if the run never got there."""
+    if not isinstance(hist, History):
+        raise TypeError(f"hist must be a History (from train), got {type(hist).__name__}")
     target_loss = check_float("target_loss", target_loss)
     for t, loss in enumerate(hist.loss[1:]):
         if loss <= target_loss:

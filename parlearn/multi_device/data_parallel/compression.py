@@ -260,6 +260,13 @@ def compressed_all_reduce_reference(xs: list[torch.Tensor], *, average: bool = T
     """Single-process reference of :func:`compressed_all_reduce`, with the serial
     reference coders: ``xs[r]`` is rank r's tensor (``error_feedback[r]`` its state);
     returns the result every rank gets."""
+    if isinstance(xs, str | torch.Tensor) or not isinstance(xs, list | tuple):
+        raise TypeError(f"xs must be a list of tensors, one per rank, got {type(xs).__name__}")
+    check_bool("average", average)
+    if error_feedback is not None and (not isinstance(error_feedback, list | tuple) or not all(
+            isinstance(e, ErrorFeedback) for e in error_feedback)):
+        raise TypeError(f"error_feedback must be a list of ErrorFeedback or None, got "
+                        f"{error_feedback!r}")
     world = len(xs)
     if world < 1:
         raise ValueError("xs must hold at least one tensor")
@@ -435,7 +442,13 @@ def modeled_step_ratio(numel: int, world_size: int, link, *, compute_s: float,
     8 bits pay. The fp32 all-reduce is one message of all gradients (nothing overlapped),
     as the 8-bit one is."""
     from parlearn.distributed import collective_time
+    from parlearn.distributed.cost import AlphaBeta
 
+    numel = check_int("numel", numel, lo=1)
+    world_size = check_int("world_size", world_size, lo=1)
+    if not isinstance(link, AlphaBeta | dict):
+        raise TypeError(f"link must be an AlphaBeta or a mapping of collective names to "
+                        f"AlphaBeta, got {type(link).__name__}")
     compute_s = check_float("compute_s", compute_s, lo=0)
     t32 = compute_s + collective_time("all_reduce", 4 * numel, world_size, link)
     t8 = compute_s + compressed_all_reduce_time(numel, world_size, link, quantize_s=quantize_s,

@@ -382,6 +382,15 @@ def train_reference(model: nn.Module, xs: Sequence[torch.Tensor], ys: Sequence[t
     """Single-process training on the full batches ``xs[t], ys[t]`` (cross-entropy, mean
     over the batch): the parameters after each step. Trains ``model`` in place."""
     check_module("model", model)
+    for name, seq in (("xs", xs), ("ys", ys)):
+        if isinstance(seq, str | torch.Tensor) or not isinstance(seq, Sequence):
+            raise TypeError(f"{name} must be a sequence of tensors (one per step), got "
+                            f"{type(seq).__name__}")
+        for t, v in enumerate(seq):
+            check_tensor(f"{name}[{t}]", v)
+    if len(xs) != len(ys):
+        raise ValueError(f"xs and ys must have one batch per step each, got {len(xs)} and "
+                         f"{len(ys)}")
     check_float("lr", lr, lo=0, lo_open=True)
     check_choice("optimizer", optimizer, ("sgd", "adam"))
     opt = _make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad], lr)
@@ -454,7 +463,9 @@ def dp_step_model(param_bytes: Sequence[int], world_size: int, model, *,
     """
     from parlearn.distributed import AlphaBeta, collective_time
 
-    sizes = [check_int("param_bytes[i]", int(b), lo=1) for b in param_bytes]
+    if isinstance(param_bytes, str) or not isinstance(param_bytes, Sequence):
+        raise TypeError(f"param_bytes must be a sequence of ints, got {param_bytes!r}")
+    sizes = [check_int(f"param_bytes[{i}]", b, lo=1) for i, b in enumerate(param_bytes)]
     if not sizes:
         raise ValueError("param_bytes must not be empty")
     world_size = check_int("world_size", world_size, lo=1)

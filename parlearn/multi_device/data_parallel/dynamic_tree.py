@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from parlearn.core.checks import check_int, check_tensor
+from parlearn.core.checks import check_float, check_int, check_tensor
 
 if TYPE_CHECKING:
     from parlearn.core.timing import Comparison
@@ -91,16 +91,35 @@ def _sorted_cache() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _SORTED
 
 
+def _scale_of(scale, device) -> torch.Tensor:
+    """``scale`` (a positive finite number, or a tensor holding one) as a float64 scalar;
+    a bool, a string, NaN or a sequence is refused."""
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"scale must be one number, got {scale.numel()} values")
+        if scale.dtype == torch.bool or scale.is_complex():
+            raise TypeError(f"scale must be a real number, got a {scale.dtype} tensor")
+        s = scale.detach().to(device=device, dtype=torch.float64).reshape(())
+        if not bool(torch.isfinite(s)) or not bool(s > 0):
+            raise ValueError(f"scale must be a positive finite number, got {float(s)}")
+        return s
+    value = check_float("scale", scale, lo=0, lo_open=True)
+    return torch.tensor(value, dtype=torch.float64, device=device)
+
+
+def _check_dtype(dtype) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    return dtype
+
+
 def _check_scale(xd: torch.Tensor, scale: torch.Tensor | float | None) -> torch.Tensor:
     """The float64 scalar scale: ``max |x|`` (1 for an all-zero tensor) or ``scale``,
     refused unless positive and at least ``max |x|`` (to round-off)."""
     if scale is None:
         s = xd.abs().max() if xd.numel() else torch.zeros((), dtype=torch.float64)
         return torch.where(s > 0, s, torch.ones_like(s))
-    s = torch.as_tensor(scale, dtype=torch.float64, device=xd.device)
-    if s.numel() != 1 or not bool(s > 0):
-        raise ValueError(f"scale must be one positive number, got {scale!r}")
-    s = s.reshape(())
+    s = _scale_of(scale, xd.device)
     if xd.numel() and bool((xd.abs() > s * (1 + 1e-12)).any()):
         raise ValueError("|x| exceeds scale: the 8-bit type holds values in [-1, 1] only")
     return s
@@ -233,8 +252,9 @@ def dequantize_reference(codes: torch.Tensor, scale: torch.Tensor | float,
     """Serial reference of :func:`dequantize`: ``table[codes] * scale`` element by
     element in float64, then ``dtype``."""
     check_tensor("codes", codes, dtype=torch.uint8)
+    s = _scale_of(scale, codes.device)
+    _check_dtype(dtype)
     table = code_table().to(codes.device)
-    s = torch.as_tensor(scale, dtype=torch.float64, device=codes.device)
     return (table[codes.long()] * s).to(dtype)
 
 
@@ -250,9 +270,8 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor | float,
     """``table[codes] * scale`` in ``dtype``, as one gather from the 256 scaled values;
     equals :func:`dequantize_reference` exactly."""
     check_tensor("codes", codes, dtype=torch.uint8)
-    s = torch.as_tensor(scale, dtype=torch.float64, device=codes.device)
-    if s.numel() != 1:
-        raise ValueError(f"scale must be one number, got {s.numel()} values")
+    s = _scale_of(scale, codes.device)
+    _check_dtype(dtype)
     return _dequantize_rows(codes.reshape(1, -1), s.reshape(1), dtype).view(codes.shape)
 
 
@@ -269,7 +288,9 @@ def dequantize_linear_int8(q: torch.Tensor, scale: torch.Tensor | float,
                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q * scale / 127`` in ``dtype``."""
     check_tensor("q", q, dtype=torch.int8)
-    return (q.to(torch.float64) * torch.as_tensor(scale, dtype=torch.float64) / 127).to(dtype)
+    s = _scale_of(scale, q.device)
+    _check_dtype(dtype)
+    return (q.to(torch.float64) * s / 127).to(dtype)
 
 
 def relative_error(magnitudes: torch.Tensor, kind: str = "dynamic_tree") -> torch.Tensor:
@@ -335,6 +356,7 @@ def coding_seconds(numel: int = 2**21, *, repeat: int = 5, seed: int = 0,
 
     numel = check_int("numel", numel, lo=1)
     repeat = check_int("repeat", repeat, lo=1)
+    check_int("seed", seed, lo=0)
     x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
     codes, s = quantize(x)
     return compare({"quantize_reference": lambda: quantize_reference(x),

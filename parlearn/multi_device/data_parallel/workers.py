@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from parlearn.core.checks import check_choice, check_int
+from parlearn.core.checks import check_choice, check_float, check_int
 from parlearn.core.models import mlp, mlp_param_bytes
 from parlearn.core.timing import UNRELIABLE
 from parlearn.multi_device.data_parallel.ddp import (
@@ -476,6 +476,15 @@ def step_spans(events: Sequence[tuple[str, str, float]], lane: str
     on lane ``lane + " compute"``, and each all-reduce on ``lane + " comm"``: a bucket
     from launch to done (bucketed), a gradient from the end of backward (or the previous
     gradient's reduction) to its reduction (naive). All measured times."""
+    if isinstance(events, str) or not isinstance(events, Sequence):
+        raise TypeError(f"events must be a sequence of (what, label, seconds), got {events!r}")
+    for i, e in enumerate(events):
+        if (not isinstance(e, tuple | list) or len(e) != 3 or not isinstance(e[0], str)
+                or not isinstance(e[1], str)):
+            raise TypeError(f"events[{i}] must be (what, label, seconds), got {e!r}")
+        check_float(f"events[{i}] seconds", e[2])
+    if not isinstance(lane, str):
+        raise TypeError(f"lane must be a str, got {lane!r}")
     at = {}
     for what, label, t in events:
         at.setdefault((what, label), t)

@@ -84,9 +84,9 @@ def check_plan(cfg: GPTConfig, shape: MeshShape, batch: int, seq: int, micro_bat
     if not isinstance(shape, MeshShape):
         raise TypeError(f"shape must be a MeshShape, got {type(shape).__name__}")
     if cfg.n_layers % shape.pp:
-        raise ValueError(f"pp={shape.pp} must divide cfg.n_layers={cfg.n_layers}")
+        raise ValueError(f"shape.pp={shape.pp} must divide cfg.n_layers={cfg.n_layers}")
     if cfg.n_heads % shape.tp or cfg.ff % shape.tp:
-        raise ValueError(f"tp={shape.tp} must divide cfg.n_heads={cfg.n_heads} and the MLP "
+        raise ValueError(f"shape.tp={shape.tp} must divide cfg.n_heads={cfg.n_heads} and the MLP "
                          f"width {cfg.ff}")
     if batch % (shape.dp * micro_batches):
         raise ValueError(f"batch={batch} must divide into dp={shape.dp} replicas of "
@@ -333,6 +333,7 @@ def mesh_train(cfg: GPTConfig, shape: MeshShape, *, steps: int = 3, batch: int =
                          (("steps", steps), ("batch", batch), ("seq", seq)))
     micro_batches = check_int("micro_batches", micro_batches, lo=1)
     check_float("lr", lr, lo=0, lo_open=True)
+    check_int("seed", seed, lo=0)
     check_bool("sp", sp)
     check_choice("zero", zero, (0, 1))
     check_choice("recompute", recompute, ("none", "full"))

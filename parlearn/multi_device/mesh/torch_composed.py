@@ -26,7 +26,7 @@ import logging
 
 import torch
 
-from parlearn.core.checks import check_int
+from parlearn.core.checks import check_float, check_int
 from parlearn.multi_device.context_parallel.gpt import train_batches
 from parlearn.multi_device.transformer.model import GPT, GPTConfig
 
@@ -88,6 +88,10 @@ def torch_mesh_train(cfg: GPTConfig, dp: int, tp: int, *, steps: int = 3, batch:
     from parlearn.multi_device.mesh.layout import MeshShape
 
     dp, tp = check_int("dp", dp, lo=1), check_int("tp", tp, lo=1)
+    steps, batch, seq = (check_int(n, v, lo=1) for n, v in
+                         (("steps", steps), ("batch", batch), ("seq", seq)))
+    check_float("lr", lr, lo=0, lo_open=True)
+    check_int("seed", seed, lo=0)
     check_plan(cfg, MeshShape(dp, tp, 1), batch, seq, 1, False)
     return run(torch_mesh_worker, dp * tp, backend="gloo", timeout=timeout,
                args=(cfg, dp, tp, steps, batch, seq, lr, seed))

@@ -121,6 +121,13 @@ def storage_bytes(tensors) -> int:
     What a rank really holds: a view costs nothing extra, a storage resized to 0 (a freed
     stage-3 parameter) counts 0. DTensors are measured by their local shard.
     """
+    if isinstance(tensors, str | torch.Tensor) or not hasattr(tensors, "__iter__"):
+        raise TypeError(f"tensors must be an iterable of tensors (None skipped), got "
+                        f"{type(tensors).__name__}")
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        if t is not None and not isinstance(t, torch.Tensor) and not hasattr(t, "to_local"):
+            raise TypeError(f"tensors[{i}] must be a tensor or None, got {type(t).__name__}")
     seen: dict[int, int] = {}
     for t in tensors:
         if t is None:

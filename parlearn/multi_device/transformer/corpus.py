@@ -29,6 +29,17 @@ class CharCorpus:
     train: torch.Tensor  # int64 token ids
     val: torch.Tensor
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.chars, str) or not self.chars or len(set(self.chars)) != len(
+                self.chars):
+            raise ValueError(f"chars must be a non-empty str of distinct symbols, got "
+                             f"{self.chars!r:.40}")
+        for name in ("train", "val"):
+            ids = check_tensor(name, getattr(self, name), ndim=1, floating=False)
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= len(self.chars)):
+                raise ValueError(f"{name} must hold ids in [0, {len(self.chars)}), got "
+                                 f"[{int(ids.min())}, {int(ids.max())}]")
+
     @property
     def vocab_size(self) -> int:
         return len(self.chars)
