@@ -339,7 +339,7 @@ CASES: list[Case] = [
          lambda: dict(numel=64, world_size=2, repeat=1, seed=0, threads=1), run_good=False,
          ranges={"numel": (1, None), "world_size": (1, None), "repeat": (1, None),
                  "seed": (0, None)}, legal={"threads": [None]}, bad={"threads": [0]}),
-    Case(P + "data_parallel.ddp.dp_step_model",
+    Case(P + "data_parallel.step_model.dp_step_model",
          lambda: dict(param_bytes=[400, 4000], world_size=4, model=_ab(), compute_seconds=0.01,
                       strategy="bucketed", bucket_bytes=1000, backward_fraction=0.5),
          ranges={"world_size": (1, None), "compute_seconds": (0.0, None),
@@ -354,7 +354,7 @@ CASES: list[Case] = [
          ranges={"numel": (1, None), "world_size": (2, None), "alpha": (0.0, None),
                  "quantize_s": (0.0, None), "dequantize_s": (0.0, None)},
          bad={"real": ["ib", 3], "factor": [0.0, -1.0, 0.5]}),
-    Case(P + "data_parallel.workers.step_spans",
+    Case(P + "data_parallel.spans.step_spans",
          lambda: dict(events=[("forward", "", 0.0), ("backward", "", 1.0), ("end", "", 2.0)],
                       lane="compute"),
          bad={"events": ["events", [("forward", "", math.nan)], [("forward",)], [3]],
@@ -492,7 +492,7 @@ COVERED_ELSEWHERE: dict[str, str] = {
 }
 EXEMPT: dict[str, str] = {
     P + "mesh.planner.Prediction": "the result record predict() returns; no user builds one",
-    P + "data_parallel.ddp.DPStepModel": "the result record dp_step_model() returns",
+    P + "data_parallel.step_model.DPStepModel": "the result record dp_step_model() returns",
     P + "data_parallel.slow_link.Charge": "the record EmulatedLink appends per collective",
     P + "memory.measured.SavedLedger": "the ledger saved_tensors() returns (its Saved records "
     "are checked: see the Saved case)",

@@ -24,15 +24,14 @@ from parlearn.core.models import mlp, mlp_param_bytes
 from parlearn.multi_device.data_parallel.ddp import (
     BucketedDP,
     CompressedDP,
-    DPStepModel,
     NaiveDP,
     TiedMLP,
-    dp_step_model,
     make_ddp,
     shard,
     train_reference,
     worker_train,
 )
+from parlearn.multi_device.data_parallel.step_model import DPStepModel, dp_step_model
 
 __all__ = ["NaiveDP", "BucketedDP", "CompressedDP", "make_ddp", "TiedMLP", "train_reference",
            "shard", "DPStepModel", "dp_step_model", "worker_train", "mlp", "mlp_param_bytes"]

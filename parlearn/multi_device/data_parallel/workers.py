@@ -17,16 +17,17 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from parlearn.core.checks import check_choice, check_float, check_int
+from parlearn.core.checks import check_choice, check_int
 from parlearn.core.models import mlp, mlp_param_bytes
 from parlearn.core.timing import UNRELIABLE
 from parlearn.multi_device.data_parallel.ddp import (
     BucketedDP,
     CompressedDP,
     NaiveDP,
-    dp_step_model,
     make_ddp,
 )
+from parlearn.multi_device.data_parallel.spans import step_spans
+from parlearn.multi_device.data_parallel.step_model import dp_step_model
 
 __all__ = ["STEP_KINDS", "worker_step_time", "DIGITS_METHODS", "worker_digits",
            "summarize_steps", "step_spans", "rank_coding_seconds", "worker_rank_coding",
@@ -467,39 +468,3 @@ def _slow_link_rows(slow: dict, real) -> list:
                     f"{o['charged']['compressed'][1] * 1e3:.1f} ms. met = measured and "
                     f"modeled on the same side of 1.")))
     return rows
-
-
-def step_spans(events: Sequence[tuple[str, str, float]], lane: str
-               ) -> list[tuple[str, str, float, float]]:
-    """Turn one step's events (from :func:`worker_step_time`) into
-    :func:`parlearn.viz.timeline` bars: ``forward``, ``backward`` (to the last gradient)
-    on lane ``lane + " compute"``, and each all-reduce on ``lane + " comm"``: a bucket
-    from launch to done (bucketed), a gradient from the end of backward (or the previous
-    gradient's reduction) to its reduction (naive). All measured times."""
-    if isinstance(events, str) or not isinstance(events, Sequence):
-        raise TypeError(f"events must be a sequence of (what, label, seconds), got {events!r}")
-    for i, e in enumerate(events):
-        if (not isinstance(e, tuple | list) or len(e) != 3 or not isinstance(e[0], str)
-                or not isinstance(e[1], str)):
-            raise TypeError(f"events[{i}] must be (what, label, seconds), got {e!r}")
-        check_float(f"events[{i}] seconds", e[2])
-    if not isinstance(lane, str):
-        raise TypeError(f"lane must be a str, got {lane!r}")
-    at = {}
-    for what, label, t in events:
-        at.setdefault((what, label), t)
-    grads = [t for what, _, t in events if what == "grad"]
-    spans = []
-    if ("forward", "") in at and ("backward", "") in at:
-        spans.append((lane + " compute", "forward", at["forward", ""], at["backward", ""]))
-    if ("backward", "") in at and grads:
-        spans.append((lane + " compute", "backward", at["backward", ""], max(grads)))
-    for what, label, t in events:
-        if what == "launch" and ("done", label) in at:
-            spans.append((lane + " comm", f"all-reduce bucket {label}", t, at["done", label]))
-    prev = max(grads) if grads else None
-    for what, label, t in events:
-        if what == "reduced" and prev is not None:
-            spans.append((lane + " comm", f"all-reduce {label}", prev, t))
-            prev = t
-    return spans
