@@ -416,6 +416,18 @@ CASES = [
                                                   dtype=torch.float64, activation=None),
          ranges={"d_model": (1, None), "d_hidden": (1, None), "seed": (0, None)},
          bad={"dtype": [torch.int64]}, legal={"activation": [None]}),
+    Case(TP + "layers.serial_linear",
+         lambda: dict(in_features=4, out_features=6, bias=True, seed=0, dtype=torch.float64,
+                      init_method=None),
+         ranges={"in_features": (1, None), "out_features": (1, None), "seed": (0, None)},
+         bad={"dtype": [torch.int64], "init_method": [3]}, legal={"init_method": [None]},
+         check=lambda r, kw: r.weight.shape == (kw["out_features"], kw["in_features"])),
+    Case(TP + "layers.serial_embedding",
+         lambda: dict(num_embeddings=5, embedding_dim=3, seed=0, dtype=torch.float64,
+                      init_method=None),
+         ranges={"num_embeddings": (1, None), "embedding_dim": (1, None), "seed": (0, None)},
+         bad={"dtype": [torch.int64], "init_method": [3]}, legal={"init_method": [None]},
+         check=lambda r, kw: r.weight.shape == (kw["num_embeddings"], kw["embedding_dim"])),
     Case(TP + "megatron.ColumnParallelLinear",
          lambda: dict(full=torch.nn.Linear(4, 6), rank=1, world_size=2),
          bad={"rank": [2, -1], "world_size": [0, 4], "full": [torch.nn.Conv1d(1, 1, 1)]}),
@@ -600,6 +612,18 @@ COVERED_ELSEWHERE: dict[str, str] = {
         "tests/multi_device/test_context_parallel.py::test_sequence_parallel_refuses_uneven_slices_on_every_rank",
     MD + "tensor_parallel.megatron.CopyToRanks":
         "tests/multi_device/test_context_parallel.py::test_sequence_parallel_refuses_uneven_slices_on_every_rank",
+    MD + "tensor_parallel.layers.GatherFromRanks":
+        "tests/multi_device/test_megatron_layers.py::test_bad_arguments_fail_on_every_rank_naming_them",
+    MD + "tensor_parallel.layers.SplitToRanks":
+        "tests/multi_device/test_megatron_layers.py::test_bad_arguments_fail_on_every_rank_naming_them",
+    MD + "tensor_parallel.layers.MegatronColumnParallelLinear":
+        "tests/multi_device/test_megatron_layers.py::test_bad_arguments_fail_on_every_rank_naming_them",
+    MD + "tensor_parallel.layers.MegatronRowParallelLinear":
+        "tests/multi_device/test_megatron_layers.py::test_bad_arguments_fail_on_every_rank_naming_them",
+    MD + "tensor_parallel.layers.VocabParallelEmbedding":
+        "tests/multi_device/test_megatron_layers.py::test_bad_arguments_fail_on_every_rank_naming_them",
+    MD + "tensor_parallel.layers.vocab_parallel_cross_entropy":
+        "tests/multi_device/test_megatron_layers.py::test_bad_arguments_fail_on_every_rank_naming_them",
     MD + "pipeline.virtual.run_schedule":
         "tests/multi_device/test_pipeline_zoo.py::test_run_schedule_refuses_a_schedule_validate_rejects",
     MD + "moe.parallel.ExpertParallelMoE":
