@@ -107,10 +107,23 @@ def _embedding(rank: int, world: int) -> dict:
     y = layer(ids)
     (y * w).sum().backward()
     rows = slice(rank * VOCAB // world, (rank + 1) * VOCAB // world)
-    return {"y": _err(y, full(ids)), "dw": _err(layer.weight.grad, full.weight.grad[rows]),
-            "init": _err(layer.weight, full.weight[rows]),
-            "both_halves_used": float(bool((ids < VOCAB // world).any()
-                                           and (ids >= VOCAB // world).any()))}
+    out = {"y": _err(y, full(ids)), "dw": _err(layer.weight.grad, full.weight.grad[rows]),
+           "init": _err(layer.weight, full.weight[rows]),
+           "both_halves_used": float(bool((ids < VOCAB // world).any()
+                                          and (ids >= VOCAB // world).any()))}
+
+    # DTensor's row-wise split of an nn.Embedding is the vocabulary-parallel embedding.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (world,))
+    ref = parallelize_module(tp.serial_embedding(VOCAB, DIM, seed=6, dtype=F64), mesh,
+                             RowwiseParallel(input_layouts=Replicate()))
+    yd = ref(ids)
+    (yd * w).sum().backward()
+    out.update(dt_y=_err(y, yd),
+               dt_dw=_err(layer.weight.grad, ref.weight.grad.full_tensor()[rows]))
+    return out
 
 
 def _cross_entropy(rank: int, world: int) -> dict:
@@ -131,11 +144,38 @@ def _cross_entropy(rank: int, world: int) -> dict:
         (got * w).sum().backward()
         out[f"{reduction}_loss"] = _err(got, ref)
         out[f"{reduction}_grad"] = _err(ls.grad, lf.grad[..., cols])
+        if reduction != "none":   # DTensor's loss_parallel on the same shards
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor import DTensor, Shard
+            from torch.distributed.tensor.parallel import loss_parallel
+            mesh = init_device_mesh("cpu", (world,))
+            ld = logits[..., cols].clone().requires_grad_(True)
+            with loss_parallel():
+                dl = F.cross_entropy(DTensor.from_local(ld, mesh, [Shard(-1)]), target,
+                                     reduction=reduction)
+                dl.backward()
+            out[f"dt_{reduction}_loss"] = _err(got, dl.full_tensor())
+            out[f"dt_{reduction}_grad"] = _err(ls.grad, ld.grad)
     return out
 
 
+def _init_method(rank: int, world: int) -> dict:
+    # Megatron's init_method acts on the full ("master") weight, drawn from the seed.
+    init = torch.nn.init.xavier_normal_
+    full = tp.serial_linear(IN, OUT, seed=9, dtype=F64, init_method=init)
+    layers = (tp.MegatronColumnParallelLinear(IN, OUT, seed=9, dtype=F64, init_method=init),
+              tp.MegatronRowParallelLinear(IN, OUT, seed=9, dtype=F64, init_method=init))
+    cols = slice(rank * OUT // world, (rank + 1) * OUT // world)
+    rows = slice(rank * IN // world, (rank + 1) * IN // world)
+    default = tp.serial_linear(IN, OUT, seed=9, dtype=F64).weight
+    return {"column": _err(layers[0].weight, full.weight[cols]),
+            "row": _err(layers[1].weight, full.weight[:, rows]),
+            "applied": float(_err(full.weight, default) < 1e-3)}   # must be 0: it changed
+
+
 def _all_equalities(rank: int, world: int) -> dict:
-    return {"column": _column(rank, world, False), "column_gather": _column(rank, world, True),
+    return {"init_method": _init_method(rank, world),
+            "column": _column(rank, world, False), "column_gather": _column(rank, world, True),
             "row_parallel_in": _row(rank, world, True), "row_full_in": _row(rank, world, False),
             "embedding": _embedding(rank, world), "cross_entropy": _cross_entropy(rank, world)}
 
@@ -147,6 +187,8 @@ def test_megatron_layers_equal_the_full_layers_and_dtensor():
             for key, err in errs.items():
                 if key == "both_halves_used":
                     assert err == 1.0   # the ids fall on both ranks' rows
+                elif key == "applied":
+                    assert err == 0.0   # init_method changed the weight
                 else:
                     assert err < 1e-12, (rank, layer, key, err)
 
