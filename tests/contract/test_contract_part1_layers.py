@@ -522,6 +522,23 @@ CASES = [
          bad={"world_size": [0], "batch": [0], "d_model": [0], "d_hidden": [0, 7],
               "seed": [-1], "timeout": [0.0, -1.0], "activation": [torch.nn.Softmax(-1)]},
          legal={"activation": [None]}, run_good=False),
+    # Workers: every argument is checked before the first message (dist.run gives every
+    # rank the same ones); the legal call needs an initialised group, so it is not run here.
+    Case(TP + "megatron.megatron_worker",
+         lambda: dict(rank=0, world_size=2, batch=4, d_model=8, d_hidden=16, seed=0,
+                      activation=None),
+         bad={"rank": [2, -1], "world_size": [0], "batch": [0], "d_model": [0],
+              "d_hidden": [0, 7], "seed": [-1], "activation": [torch.nn.Softmax(-1)]},
+         legal={"activation": [None]}, run_good=False),
+    Case(TP + "conv.halo_conv_worker",
+         lambda: dict(rank=1, world_size=2, batch=2, c_in=3, c_out=4, length=12, kernel=3,
+                      seed=0),
+         bad={"rank": [2, -1], "world_size": [0, 5], "batch": [0], "c_in": [0], "c_out": [0],
+              "length": [0, 13], "kernel": [0, 2], "seed": [-1]}, run_good=False),
+    Case(TP + "movements.rank_dot_product_worker",
+         lambda: dict(rank=1, world_size=2, rows=2, cols=3, seed=0),
+         bad={"rank": [2, -1], "world_size": [0], "rows": [0], "cols": [0, 1], "seed": [-1]},
+         run_good=False),
     Case(TP + "conv.halo_conv_check",
          lambda: dict(world_size=2, batch=2, c_in=3, c_out=4, length=12, kernel=3, seed=0,
                       timeout=30.0),
@@ -624,6 +641,22 @@ COVERED_ELSEWHERE: dict[str, str] = {
         "tests/multi_device/test_megatron_layers.py::test_bad_arguments_fail_on_every_rank_naming_them",
     MD + "tensor_parallel.layers.vocab_parallel_cross_entropy":
         "tests/multi_device/test_megatron_layers.py::test_bad_arguments_fail_on_every_rank_naming_them",
+    MD + "tensor_parallel.movements.RankBroadcast":
+        "tests/multi_device/test_tensor_parallel.py::test_rank_movements_refuse_bad_blocks_on_every_rank",
+    MD + "tensor_parallel.movements.RankSumReduce":
+        "tests/multi_device/test_tensor_parallel.py::test_rank_movements_refuse_bad_blocks_on_every_rank",
+    MD + "tensor_parallel.movements.RankScatter":
+        "tests/multi_device/test_tensor_parallel.py::test_rank_movements_refuse_bad_blocks_on_every_rank",
+    MD + "tensor_parallel.movements.RankGather":
+        "tests/multi_device/test_tensor_parallel.py::test_rank_movements_refuse_bad_blocks_on_every_rank",
+    MD + "tensor_parallel.movements.RankAllGather":
+        "tests/multi_device/test_tensor_parallel.py::test_rank_movements_refuse_bad_blocks_on_every_rank",
+    MD + "tensor_parallel.movements.RankReduceScatter":
+        "tests/multi_device/test_tensor_parallel.py::test_rank_movements_refuse_bad_blocks_on_every_rank",
+    MD + "tensor_parallel.movements.RankHaloExchange":
+        "tests/multi_device/test_tensor_parallel.py::test_rank_movements_refuse_bad_blocks_on_every_rank",
+    MD + "tensor_parallel.movements.RankRepartition":
+        "tests/multi_device/test_tensor_parallel.py::test_rank_movements_refuse_bad_blocks_on_every_rank",
     MD + "pipeline.virtual.run_schedule":
         "tests/multi_device/test_pipeline_zoo.py::test_run_schedule_refuses_a_schedule_validate_rejects",
     MD + "moe.parallel.ExpertParallelMoE":
@@ -653,16 +686,5 @@ PENDING = [
     "parlearn.multi_device.pipeline.simulator.Simulation",
     "parlearn.multi_device.pipeline.torch_pipeline.run_torch_zoo",
     "parlearn.multi_device.tensor_parallel.conv.bench",
-    "parlearn.multi_device.tensor_parallel.conv.halo_conv_worker",
-    "parlearn.multi_device.tensor_parallel.megatron.megatron_worker",
-    "parlearn.multi_device.tensor_parallel.movements.RankAllGather",
-    "parlearn.multi_device.tensor_parallel.movements.RankBroadcast",
-    "parlearn.multi_device.tensor_parallel.movements.RankGather",
-    "parlearn.multi_device.tensor_parallel.movements.RankHaloExchange",
-    "parlearn.multi_device.tensor_parallel.movements.RankReduceScatter",
-    "parlearn.multi_device.tensor_parallel.movements.RankRepartition",
-    "parlearn.multi_device.tensor_parallel.movements.RankScatter",
-    "parlearn.multi_device.tensor_parallel.movements.RankSumReduce",
-    "parlearn.multi_device.tensor_parallel.movements.rank_dot_product_worker",
     "parlearn.multi_device.tensor_parallel.plan_hlo.hlo_collectives",
 ]
