@@ -26,6 +26,7 @@ from torch import nn
 from parlearn.core.checks import (
     check_bool,
     check_choice,
+    check_device,
     check_float,
     check_int,
     check_module,
@@ -409,7 +410,8 @@ def bench(device: torch.device, quick: bool) -> list:
     from parlearn.core.bench import Row
     from parlearn.core.timing import Timing
 
-    del device
+    check_device("device", device)   # checked, then unused: see the docstring
+    check_bool("quick", quick)
     repeat, m, rows = (3 if quick else 7), 4, []
     where = f"2 gloo ranks on CPU ({__import__('os').cpu_count()} cores)"
 

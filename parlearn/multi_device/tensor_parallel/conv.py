@@ -16,7 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parlearn.core.checks import check_float, check_int, check_module, check_seed
+from parlearn.core.checks import (
+    check_bool,
+    check_device,
+    check_float,
+    check_int,
+    check_module,
+    check_seed,
+)
 from parlearn.multi_device.tensor_parallel.megatron import CopyToRanks, _chunk, megatron_check
 from parlearn.multi_device.tensor_parallel.movements import RankHaloExchange
 from parlearn.multi_device.tensor_parallel.plan import Conv, Dense, best_one_cut, plan_collectives
@@ -162,7 +169,8 @@ def bench(device: torch.device, quick: bool) -> list:
     (payloads from the compiled HLO). No times are claimed."""
     from parlearn.core.bench import Row
 
-    del device  # see the docstring: communication volume is device-independent
+    check_device("device", device)   # checked, then unused: see the docstring
+    check_bool("quick", quick)
     rows = []
     b, d, h = (8, 16, 32) if quick else (32, 64, 256)
     res = megatron_check(2, batch=b, d_model=d, d_hidden=h)
