@@ -29,6 +29,13 @@ MOE = "parlearn.multi_device.moe."
 TP = "parlearn.multi_device.tensor_parallel."
 
 
+def _pipeline_run() -> pl_runtime.PipelineRun:
+    # Two stages, one micro-batch: F and B on each, measured durations 1, 2 and 1, 1.
+    events = [("rank 0", "F0", 0.0, 1.0), ("rank 0", "B0", 3.0, 5.0),
+              ("rank 1", "F0", 1.0, 2.0), ("rank 1", "B0", 2.0, 3.0)]
+    return pl_runtime.PipelineRun("gpipe", 2, 1, [], [["F0", "B0"]] * 2, events, [])
+
+
 # ---- stated invariants ----------------------------------------------------------------------
 
 def _valid_schedule(result, kw):
@@ -539,6 +546,13 @@ CASES = [
          lambda: dict(rank=1, world_size=2, rows=2, cols=3, seed=0),
          bad={"rank": [2, -1], "world_size": [0], "rows": [0], "cols": [0, 1], "seed": [-1]},
          run_good=False),
+    Case(PL + "runtime.stage_op_costs", lambda: dict(run=_pipeline_run()),
+         bad={"run": [3, "ab", None, [("rank 0", "F0", 0.0, 1.0)]]},
+         check=lambda r, kw: r == {"F": [1.0, 1.0], "B": [2.0, 1.0]}),
+    Case(CP + "workers.saved_bytes",
+         lambda: dict(fn=lambda: torch.ones(4, dtype=torch.float64, requires_grad=True).exp()),
+         bad={"fn": [3, "exp", None]},
+         check=lambda r, kw: r[1] == 4 * 8),   # exp saves its output for backward
     Case(TP + "plan_hlo.hlo_collectives",
          lambda: dict(plans=[["batch", "column"]], batch=4, widths=[4, 6, 2], devices=2,
                       timeout=300.0),
@@ -682,7 +696,6 @@ PENDING = [
     "parlearn.multi_device.context_parallel.sequence_parallel.sp_block_worker",
     "parlearn.multi_device.context_parallel.ulysses.AllToAll",
     "parlearn.multi_device.context_parallel.workers.attention_worker",
-    "parlearn.multi_device.context_parallel.workers.saved_bytes",
     "parlearn.multi_device.context_parallel.workers.torch_cp_worker",
     "parlearn.multi_device.moe.parallel.AllToAll",
     "parlearn.multi_device.moe.parallel.mesh_groups",
@@ -692,7 +705,6 @@ PENDING = [
     "parlearn.multi_device.moe.workers.layer_worker",
     "parlearn.multi_device.moe.workers.train_worker",
     "parlearn.multi_device.pipeline.runtime.PipelineRun",
-    "parlearn.multi_device.pipeline.runtime.stage_op_costs",
     "parlearn.multi_device.pipeline.simulator.Simulation",
     "parlearn.multi_device.pipeline.torch_pipeline.run_torch_zoo",
 ]

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from parlearn.core.checks import check_bool, check_choice, check_float, check_int
+from parlearn.core.checks import (
+    check_bool,
+    check_callable,
+    check_choice,
+    check_float,
+    check_int,
+)
 from parlearn.multi_device.context_parallel.blocks import LAYOUTS, full_attention, shard_index
 from parlearn.multi_device.context_parallel.ring import ring_attention
 from parlearn.multi_device.context_parallel.ulysses import ulysses_attention
@@ -26,6 +32,7 @@ def saved_bytes(fn, *args, **kwargs) -> tuple:
     """``(fn(*args, **kwargs), bytes)``: the bytes of the distinct storages autograd saved
     for backward during the call (what stays allocated until backward), parameters
     excluded."""
+    check_callable("fn", fn)
     seen: dict[int, int] = {}
 
     def pack(t):

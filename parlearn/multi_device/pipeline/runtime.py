@@ -311,6 +311,9 @@ def _preimport() -> None:
 def stage_op_costs(run: PipelineRun) -> dict[str, list[float]]:
     """Median measured seconds of each op kind (``"F"``, ``"B"``, ``"W"`` when present) on
     each stage of ``run``: the per-stage costs to feed :func:`simulate`."""
+    if not isinstance(run, PipelineRun):
+        raise TypeError(f"run must be a PipelineRun (what run_pipeline returns), got "
+                        f"{type(run).__name__}")
     out: dict[str, list[float]] = {}
     for kind in "FBW":
         per = [sorted(e[3] - e[2] for e in run.events
