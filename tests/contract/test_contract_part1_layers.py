@@ -607,6 +607,14 @@ CASES = [
          bad={"models": [[], "ab"], "stages": [1, 9], "micro_batches": [0, 5], "steps": [0],
               "lr": [0.0, -1.0], "timeout": [0.0, -1.0]},
          legal={"counts": [None]}, run_good=False),
+    # On ranks (run_good=False: the legal call needs a group); every argument is checked
+    # before the first collective, and dist.run gives every rank the same ones.
+    Case(MOE + "parallel.mesh_groups", lambda: dict(world_size=4, ep=2),
+         bad={"world_size": [0], "ep": [0, 5, 3]}, run_good=False),
+    Case(MOE + "parallel.sync_grads",
+         lambda: dict(model=torch.nn.Linear(2, 2), world_size=2, dp_group=None, dp_size=1),
+         bad={"model": [3], "world_size": [0], "dp_size": [0, 3], "dp_group": [3, "world"]},
+         run_good=False),
     Case(MOE + "parallel.to_expert_parallel",
          lambda: dict(model=torch.nn.Sequential(moe_layer.MoE(4, 8, 4, 1)), ep_rank=1,
                       ep_size=2, group=None),
@@ -698,8 +706,6 @@ PENDING = [
     "parlearn.multi_device.context_parallel.workers.attention_worker",
     "parlearn.multi_device.context_parallel.workers.torch_cp_worker",
     "parlearn.multi_device.moe.parallel.AllToAll",
-    "parlearn.multi_device.moe.parallel.mesh_groups",
-    "parlearn.multi_device.moe.parallel.sync_grads",
     "parlearn.multi_device.moe.router.Routing",
     "parlearn.multi_device.moe.train.train_moe",
     "parlearn.multi_device.moe.workers.layer_worker",

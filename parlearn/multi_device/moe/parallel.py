@@ -134,6 +134,10 @@ def mesh_groups(world_size: int, ep: int) -> tuple[int, int, object, object]:
     """``(ep_rank, dp_rank, ep_group, dp_group)`` of this rank on the ``(world/ep, ep)`` mesh
     (module docstring). Every rank must call it, in the same order (``new_group`` is
     collective)."""
+    world_size = check_int("world_size", world_size, lo=1)
+    if tdist.is_initialized() and world_size != tdist.get_world_size():
+        raise ValueError(f"world_size={world_size} must be the group's size "
+                         f"{tdist.get_world_size()}")
     ep = check_int("ep", ep, lo=1, hi=world_size)
     if world_size % ep:
         raise ValueError(f"ep={ep} must divide world_size={world_size}")
@@ -167,6 +171,12 @@ def sync_grads(model: nn.Module, world_size: int, dp_group=None, dp_size: int = 
     replicas; the all-to-all backward already summed over the EP group), all divided by
     ``world_size``. A parameter without a gradient (an expert that got no token) gets
     zeros, so every rank issues the same collectives."""
+    check_module("model", model)
+    world_size = check_int("world_size", world_size, lo=1)
+    dp_size = check_int("dp_size", dp_size, lo=1, hi=world_size)
+    if dp_group is not None and not isinstance(dp_group, tdist.ProcessGroup):
+        raise TypeError(f"dp_group must be a torch.distributed ProcessGroup or None, got "
+                        f"{type(dp_group).__name__}")
     experts = _is_expert(model)
     for p in model.parameters():
         if p.grad is None:
