@@ -553,6 +553,10 @@ CASES = [
          lambda: dict(fn=lambda: torch.ones(4, dtype=torch.float64, requires_grad=True).exp()),
          bad={"fn": [3, "exp", None]},
          check=lambda r, kw: r[1] == 4 * 8),   # exp saves its output for backward
+    Case(CP + "sequence_parallel.sp_block_worker",
+         lambda: dict(rank=1, world_size=2, seq=4, batch=1, d_model=4, d_hidden=8, seed=0),
+         bad={"rank": [2, -1], "world_size": [0], "seq": [0, 3], "batch": [0],
+              "d_model": [0], "d_hidden": [0, 7], "seed": [-1]}, run_good=False),
     Case(TP + "plan_hlo.hlo_collectives",
          lambda: dict(plans=[["batch", "column"]], batch=4, widths=[4, 6, 2], devices=2,
                       timeout=300.0),
@@ -703,7 +707,6 @@ EXEMPT: dict[str, str] = {}
 PENDING = [
     "parlearn.multi_device.pipeline.schedules.Op",
     "parlearn.multi_device.context_parallel.gpt.cp_train_worker",
-    "parlearn.multi_device.context_parallel.sequence_parallel.sp_block_worker",
     "parlearn.multi_device.context_parallel.ulysses.AllToAll",
     "parlearn.multi_device.context_parallel.workers.attention_worker",
     "parlearn.multi_device.context_parallel.workers.torch_cp_worker",
