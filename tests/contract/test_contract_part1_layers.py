@@ -143,6 +143,13 @@ def _md():
     return dict(model=model, x=x, y=y)
 
 
+def _md4():
+    # Four layers: two virtual stages on each of two ranks.
+    model = pl_runtime.make_model([3, 4, 4, 4, 2], seed=0)
+    x, y = pl_runtime.make_data(model, 4, seed=0)
+    return dict(model=model, x=x, y=y)
+
+
 def _gpt_cfg():
     return tf_model.GPTConfig(d_model=8, n_heads=2, n_layers=1, max_seq=16)
 
@@ -620,6 +627,11 @@ CASES = [
          bad={"stages": [1, 9], "micro_batches": [0, 5], "counts": [[1], [0, 3]],
               "timeout": [0.0, -1.0]},
          legal={"counts": [None], "x": [NAN_TENSOR], "y": [NAN_TENSOR]}, run_good=False),
+    Case(PL + "torch_pipeline.run_torch_zoo",
+         lambda: dict(name="interleaved", **_md4(), stages=2, micro_batches=4, timeout=30.0),
+         bad={"stages": [1, 3, 5], "micro_batches": [0, 5, [], [2, 0]],
+              "timeout": [0.0, -1.0]},
+         legal={"x": [NAN_TENSOR], "y": [NAN_TENSOR]}, run_good=False),
     Case(PL + "hydra.hydra_train",
          lambda: dict(models=[_ms(), _ms()], data=[pl_runtime.make_data(_ms(), 4, seed=s)
                                                    for s in (0, 1)], stages=2,
@@ -730,5 +742,4 @@ PENDING = [
     "parlearn.multi_device.moe.workers.train_worker",
     "parlearn.multi_device.pipeline.runtime.PipelineRun",
     "parlearn.multi_device.pipeline.simulator.Simulation",
-    "parlearn.multi_device.pipeline.torch_pipeline.run_torch_zoo",
 ]
