@@ -725,6 +725,8 @@ COVERED_ELSEWHERE: dict[str, str] = {
         "tests/multi_device/test_tensor_parallel.py::test_rank_movements_refuse_bad_blocks_on_every_rank",
     MD + "moe.parallel.AllToAll":
         "tests/multi_device/test_moe_all_to_all.py::test_bad_splits_fail_on_every_rank_naming_them",
+    MD + "context_parallel.ulysses.AllToAll":
+        "tests/multi_device/test_ulysses_all_to_all.py::test_bad_sizes_fail_on_every_rank_naming_them",
     MD + "pipeline.virtual.run_schedule":
         "tests/multi_device/test_pipeline_zoo.py::test_run_schedule_refuses_a_schedule_validate_rejects",
     MD + "moe.parallel.ExpertParallelMoE":
@@ -736,7 +738,6 @@ EXEMPT: dict[str, str] = {}
 PENDING = [
     "parlearn.multi_device.pipeline.schedules.Op",
     "parlearn.multi_device.context_parallel.gpt.cp_train_worker",
-    "parlearn.multi_device.context_parallel.ulysses.AllToAll",
     "parlearn.multi_device.moe.router.Routing",
     "parlearn.multi_device.moe.workers.layer_worker",
     "parlearn.multi_device.moe.workers.train_worker",
