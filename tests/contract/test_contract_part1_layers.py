@@ -604,6 +604,12 @@ CASES = [
          bad={"cfg": [{"d_model": 8}], "world_size": [0, 1], "steps": [0], "batch": [0],
               "seq": [0, 17], "lr": [0.0, -1.0], "seed": [-1], "timeout": [0.0, -1.0]},
          run_good=False),
+    Case(CP + "gpt.cp_train_worker",
+         lambda: dict(rank=1, world_size=2, cfg=_gpt_cfg(), steps=1, batch=1, seq=8, lr=1e-2,
+                      seed=0, layout="zigzag", scheme="ring"),
+         bad={"rank": [2, -1], "world_size": [0], "cfg": [{"d_model": 8}], "steps": [0],
+              "batch": [0], "seq": [0, 3, 17], "lr": [0.0, -1.0], "seed": [-1]},
+         run_good=False),
     Case(CP + "gpt.serial_train",
          lambda: dict(cfg=_gpt_cfg(), steps=1, batch=1, seq=8, lr=1e-2, seed=0,
                       optimizer="adamw"),
@@ -737,7 +743,6 @@ EXEMPT: dict[str, str] = {}
 # Public callables whose contract test is still to be written (test_completeness: only shrinks).
 PENDING = [
     "parlearn.multi_device.pipeline.schedules.Op",
-    "parlearn.multi_device.context_parallel.gpt.cp_train_worker",
     "parlearn.multi_device.moe.router.Routing",
     "parlearn.multi_device.moe.workers.layer_worker",
     "parlearn.multi_device.moe.workers.train_worker",
