@@ -150,6 +150,19 @@ def _md4():
     return dict(model=model, x=x, y=y)
 
 
+def _layer_spec():
+    from parlearn.multi_device.moe import workers
+    return workers._layer_spec(2, 2, tokens=4, d_model=4, d_ff=8, n_experts=4, k=2,
+                               capacity_factor=None, routing="token", empty_expert=False,
+                               balance=0.1, seed=0)
+
+
+def _train_spec():
+    from parlearn.multi_device.moe import workers
+    return workers._train_spec(4, 2, steps=1, batch=1, n_experts=4, k=1, capacity_factor=1.0,
+                               balance=0.01, lr=1e-2, seed=0)
+
+
 def _gpt_cfg():
     return tf_model.GPTConfig(d_model=8, n_heads=2, n_layers=1, max_seq=16)
 
@@ -668,6 +681,20 @@ CASES = [
               "n_experts": [0, 3], "k": [0, 5], "capacity_factor": [0.0, -1.0],
               "balance": [-1.0], "seed": [-1], "timeout": [0.0, -1.0]},
          legal={"ep": [None], "capacity_factor": [None]}, run_good=False),
+    Case(MOE + "workers.layer_worker",
+         lambda: dict(rank=1, world_size=2, ep=2, spec=_layer_spec()),
+         bad={"rank": [2, -1], "world_size": [0], "ep": [0, 3],
+              "spec": [3, {}, {**_layer_spec(), "tokens": 0}, {**_layer_spec(), "k": 5},
+                       {**_layer_spec(), "n_experts": 3}, {**_layer_spec(), "balance": -1.0},
+                       {**_layer_spec(), "empty_expert": 1}, {**_layer_spec(), "extra": 1}]},
+         run_good=False),
+    Case(MOE + "workers.train_worker",
+         lambda: dict(rank=3, world_size=4, ep=2, spec=_train_spec()),
+         bad={"rank": [4, -1], "world_size": [0], "ep": [0, 3],
+              "spec": [3, {}, {**_train_spec(), "steps": 0}, {**_train_spec(), "lr": 0.0},
+                       {**_train_spec(), "n_experts": 3}, {**_train_spec(), "seed": -1},
+                       {**_train_spec(), "cfg": {"d_model": 0}}]},
+         run_good=False),
     Case(MOE + "workers.train_check",
          lambda: dict(world_size=4, ep=2, steps=1, batch=2, n_experts=4, k=1,
                       capacity_factor=1.0, balance=0.01, lr=1e-2, seed=0, timeout=30.0),
@@ -744,8 +771,6 @@ EXEMPT: dict[str, str] = {}
 PENDING = [
     "parlearn.multi_device.pipeline.schedules.Op",
     "parlearn.multi_device.moe.router.Routing",
-    "parlearn.multi_device.moe.workers.layer_worker",
-    "parlearn.multi_device.moe.workers.train_worker",
     "parlearn.multi_device.pipeline.runtime.PipelineRun",
     "parlearn.multi_device.pipeline.simulator.Simulation",
 ]
