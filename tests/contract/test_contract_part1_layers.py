@@ -566,6 +566,19 @@ CASES = [
          lambda: dict(rank=1, world_size=2, rows=2, cols=3, seed=0),
          bad={"rank": [2, -1], "world_size": [0], "rows": [0], "cols": [0, 1], "seed": [-1]},
          run_good=False),
+    # Result records: public, so what they hold is checked like any argument.
+    Case(PL + "runtime.PipelineRun",
+         lambda: dict(kind="gpipe", stages=2, micro_batches=1, grads=[torch.zeros(2)],
+                      ops=[["F0", "B0"]] * 2, events=[("rank 0", "F0", 0.0, 1.0)], log=[],
+                      bubble=0.0),
+         skip={"kind": "the schedule's name as a label: any str is legal"},
+         bad={"stages": [0], "micro_batches": [0], "grads": ["ab", [3]], "ops": ["ab", 3],
+              "events": [3], "log": [3, "log"]}),
+    Case(PL + "simulator.Simulation",
+         lambda: dict(events=[("rank 0", "F0", 0.0, 1.0)], makespan=1.0, bubble=0.0,
+                      busy=[1.0], peak_in_flight=[1.0], idle_in_span=[0.0], messages=0),
+         bad={"events": ["ab", 3], "makespan": [-1.0], "busy": ["ab", [math.nan], ["x"]],
+              "peak_in_flight": [3, [math.inf]], "idle_in_span": [[True]], "messages": [-1]}),
     Case(PL + "runtime.stage_op_costs", lambda: dict(run=_pipeline_run()),
          bad={"run": [3, "ab", None, [("rank 0", "F0", 0.0, 1.0)]]},
          check=lambda r, kw: r == {"F": [1.0, 1.0], "B": [2.0, 1.0]}),
@@ -771,6 +784,4 @@ EXEMPT: dict[str, str] = {}
 PENDING = [
     "parlearn.multi_device.pipeline.schedules.Op",
     "parlearn.multi_device.moe.router.Routing",
-    "parlearn.multi_device.pipeline.runtime.PipelineRun",
-    "parlearn.multi_device.pipeline.simulator.Simulation",
 ]

@@ -30,6 +30,7 @@ from parlearn.core.checks import (
     check_float,
     check_int,
     check_module,
+    check_str,
     check_tensor,
 )
 from parlearn.multi_device.pipeline.partition import (
@@ -282,6 +283,19 @@ class PipelineRun:
     events: list[tuple[str, str, float, float]]
     log: list[str] = field(repr=False)
     bubble: float = 0.0
+
+    def __post_init__(self) -> None:
+        # A record, but a public one: what it holds is checked like any argument.
+        check_str("kind", self.kind)
+        check_int("stages", self.stages, lo=1)
+        check_int("micro_batches", self.micro_batches, lo=1)
+        for name in ("grads", "ops", "events", "log"):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+                raise TypeError(f"{name} must be a list, got {value!r}")
+        if any(not isinstance(g, torch.Tensor) for g in self.grads):
+            raise TypeError("grads must be a list of tensors")
+        check_float("bubble", self.bubble)
 
 
 def measured_bubble(events: Sequence[tuple[str, str, float, float]]) -> float:
