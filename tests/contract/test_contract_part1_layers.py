@@ -29,6 +29,13 @@ MOE = "parlearn.multi_device.moe."
 TP = "parlearn.multi_device.tensor_parallel."
 
 
+def _pipeline_run() -> pl_runtime.PipelineRun:
+    # Two stages, one micro-batch: F and B on each, measured durations 1, 2 and 1, 1.
+    events = [("rank 0", "F0", 0.0, 1.0), ("rank 0", "B0", 3.0, 5.0),
+              ("rank 1", "F0", 1.0, 2.0), ("rank 1", "B0", 2.0, 3.0)]
+    return pl_runtime.PipelineRun("gpipe", 2, 1, [], [["F0", "B0"]] * 2, events, [])
+
+
 # ---- stated invariants ----------------------------------------------------------------------
 
 def _valid_schedule(result, kw):
@@ -134,6 +141,26 @@ def _md():
     model = _ms()
     x, y = pl_runtime.make_data(model, 4, seed=0)
     return dict(model=model, x=x, y=y)
+
+
+def _md4():
+    # Four layers: two virtual stages on each of two ranks.
+    model = pl_runtime.make_model([3, 4, 4, 4, 2], seed=0)
+    x, y = pl_runtime.make_data(model, 4, seed=0)
+    return dict(model=model, x=x, y=y)
+
+
+def _layer_spec():
+    from parlearn.multi_device.moe import workers
+    return workers._layer_spec(2, 2, tokens=4, d_model=4, d_ff=8, n_experts=4, k=2,
+                               capacity_factor=None, routing="token", empty_expert=False,
+                               balance=0.1, seed=0)
+
+
+def _train_spec():
+    from parlearn.multi_device.moe import workers
+    return workers._train_spec(4, 2, steps=1, batch=1, n_experts=4, k=1, capacity_factor=1.0,
+                               balance=0.01, lr=1e-2, seed=0)
 
 
 def _gpt_cfg():
@@ -416,6 +443,18 @@ CASES = [
                                                   dtype=torch.float64, activation=None),
          ranges={"d_model": (1, None), "d_hidden": (1, None), "seed": (0, None)},
          bad={"dtype": [torch.int64]}, legal={"activation": [None]}),
+    Case(TP + "layers.serial_linear",
+         lambda: dict(in_features=4, out_features=6, bias=True, seed=0, dtype=torch.float64,
+                      init_method=None),
+         ranges={"in_features": (1, None), "out_features": (1, None), "seed": (0, None)},
+         bad={"dtype": [torch.int64], "init_method": [3]}, legal={"init_method": [None]},
+         check=lambda r, kw: r.weight.shape == (kw["out_features"], kw["in_features"])),
+    Case(TP + "layers.serial_embedding",
+         lambda: dict(num_embeddings=5, embedding_dim=3, seed=0, dtype=torch.float64,
+                      init_method=None),
+         ranges={"num_embeddings": (1, None), "embedding_dim": (1, None), "seed": (0, None)},
+         bad={"dtype": [torch.int64], "init_method": [3]}, legal={"init_method": [None]},
+         check=lambda r, kw: r.weight.shape == (kw["num_embeddings"], kw["embedding_dim"])),
     Case(TP + "megatron.ColumnParallelLinear",
          lambda: dict(full=torch.nn.Linear(4, 6), rank=1, world_size=2),
          bad={"rank": [2, -1], "world_size": [0, 4], "full": [torch.nn.Conv1d(1, 1, 1)]}),
@@ -510,6 +549,75 @@ CASES = [
          bad={"world_size": [0], "batch": [0], "d_model": [0], "d_hidden": [0, 7],
               "seed": [-1], "timeout": [0.0, -1.0], "activation": [torch.nn.Softmax(-1)]},
          legal={"activation": [None]}, run_good=False),
+    # Workers: every argument is checked before the first message (dist.run gives every
+    # rank the same ones); the legal call needs an initialised group, so it is not run here.
+    Case(TP + "megatron.megatron_worker",
+         lambda: dict(rank=0, world_size=2, batch=4, d_model=8, d_hidden=16, seed=0,
+                      activation=None),
+         bad={"rank": [2, -1], "world_size": [0], "batch": [0], "d_model": [0],
+              "d_hidden": [0, 7], "seed": [-1], "activation": [torch.nn.Softmax(-1)]},
+         legal={"activation": [None]}, run_good=False),
+    Case(TP + "conv.halo_conv_worker",
+         lambda: dict(rank=1, world_size=2, batch=2, c_in=3, c_out=4, length=12, kernel=3,
+                      seed=0),
+         bad={"rank": [2, -1], "world_size": [0, 5], "batch": [0], "c_in": [0], "c_out": [0],
+              "length": [0, 13], "kernel": [0, 2], "seed": [-1]}, run_good=False),
+    Case(TP + "movements.rank_dot_product_worker",
+         lambda: dict(rank=1, world_size=2, rows=2, cols=3, seed=0),
+         bad={"rank": [2, -1], "world_size": [0], "rows": [0], "cols": [0, 1], "seed": [-1]},
+         run_good=False),
+    # Result records: public, so what they hold is checked like any argument.
+    Case(PL + "runtime.PipelineRun",
+         lambda: dict(kind="gpipe", stages=2, micro_batches=1, grads=[torch.zeros(2)],
+                      ops=[["F0", "B0"]] * 2, events=[("rank 0", "F0", 0.0, 1.0)], log=[],
+                      bubble=0.0),
+         skip={"kind": "the schedule's name as a label: any str is legal"},
+         bad={"stages": [0], "micro_batches": [0], "grads": ["ab", [3]], "ops": ["ab", 3],
+              "events": [3], "log": [3, "log"]}),
+    Case(PL + "simulator.Simulation",
+         lambda: dict(events=[("rank 0", "F0", 0.0, 1.0)], makespan=1.0, bubble=0.0,
+                      busy=[1.0], peak_in_flight=[1.0], idle_in_span=[0.0], messages=0),
+         bad={"events": ["ab", 3], "makespan": [-1.0], "busy": ["ab", [math.nan], ["x"]],
+              "peak_in_flight": [3, [math.inf]], "idle_in_span": [[True]], "messages": [-1]}),
+    Case(PL + "runtime.stage_op_costs", lambda: dict(run=_pipeline_run()),
+         bad={"run": [3, "ab", None, [("rank 0", "F0", 0.0, 1.0)]]},
+         check=lambda r, kw: r == {"F": [1.0, 1.0], "B": [2.0, 1.0]}),
+    Case(CP + "workers.saved_bytes",
+         lambda: dict(fn=lambda: torch.ones(4, dtype=torch.float64, requires_grad=True).exp()),
+         bad={"fn": [3, "exp", None]},
+         check=lambda r, kw: r[1] == 4 * 8),   # exp saves its output for backward
+    Case(CP + "sequence_parallel.sp_block_worker",
+         lambda: dict(rank=1, world_size=2, seq=4, batch=1, d_model=4, d_hidden=8, seed=0),
+         bad={"rank": [2, -1], "world_size": [0], "seq": [0, 3], "batch": [0],
+              "d_model": [0], "d_hidden": [0, 7], "seed": [-1]}, run_good=False),
+    Case(CP + "workers.attention_worker",
+         lambda: dict(rank=1, world_size=2, scheme="ring", seq=8, batch=1, heads=2, head_dim=4,
+                      causal=True, layout="zigzag", seed=0, repeat=1),
+         bad={"rank": [2, -1], "world_size": [0], "seq": [0, 3], "batch": [0], "heads": [0],
+              "head_dim": [0], "seed": [-1], "repeat": [0]}, run_good=False),
+    Case(CP + "workers.torch_cp_worker", lambda: dict(rank=0, world_size=2, device="cpu"),
+         bad={"rank": [2, -1], "world_size": [0]}, run_good=False),
+    Case(MOE + "train.train_moe",
+         lambda: dict(cfg=_gpt_cfg(), n_experts=4, k=1, balance=0.01, z=0.0,
+                      capacity_factor=None, steps=1, batch=2, lr=1e-3, corpus=None,
+                      eval_every=1, seed=0, progress=None),
+         bad={"cfg": [{"d_model": 8}, 3], "n_experts": [-1], "k": [0, 5], "balance": [-1.0],
+              "z": [-1.0], "capacity_factor": [0.0, -1.0], "steps": [0], "batch": [0],
+              "lr": [0.0, -1.0], "corpus": ["text", 3], "eval_every": [0], "seed": [-1],
+              "progress": [3, "print"]},
+         legal={"capacity_factor": [None], "corpus": [None], "progress": [None]},
+         run_good=False),
+    Case(TP + "plan_hlo.hlo_collectives",
+         lambda: dict(plans=[["batch", "column"]], batch=4, widths=[4, 6, 2], devices=2,
+                      timeout=300.0),
+         bad={"plans": ["ab", 3, [["batch"]], [3], [["batch", "spatial"]]],
+              "batch": [0, 3], "widths": [[4], "42", 3, [4, 0]], "devices": [1],
+              "timeout": [0.0, -1.0]}, run_good=False),
+    # Bench rows: they run rank processes (run_good=False); device is checked, then unused.
+    Case(TP + "conv.bench", lambda: dict(device=torch.device("cpu"), quick=True),
+         run_good=False),
+    Case(PL + "runtime.bench", lambda: dict(device=torch.device("cpu"), quick=True),
+         run_good=False),
     Case(TP + "conv.halo_conv_check",
          lambda: dict(world_size=2, batch=2, c_in=3, c_out=4, length=12, kernel=3, seed=0,
                       timeout=30.0),
@@ -521,6 +629,12 @@ CASES = [
                       layout="zigzag", scheme="ring", timeout=30.0),
          bad={"cfg": [{"d_model": 8}], "world_size": [0, 1], "steps": [0], "batch": [0],
               "seq": [0, 17], "lr": [0.0, -1.0], "seed": [-1], "timeout": [0.0, -1.0]},
+         run_good=False),
+    Case(CP + "gpt.cp_train_worker",
+         lambda: dict(rank=1, world_size=2, cfg=_gpt_cfg(), steps=1, batch=1, seq=8, lr=1e-2,
+                      seed=0, layout="zigzag", scheme="ring"),
+         bad={"rank": [2, -1], "world_size": [0], "cfg": [{"d_model": 8}], "steps": [0],
+              "batch": [0], "seq": [0, 3, 17], "lr": [0.0, -1.0], "seed": [-1]},
          run_good=False),
     Case(CP + "gpt.serial_train",
          lambda: dict(cfg=_gpt_cfg(), steps=1, batch=1, seq=8, lr=1e-2, seed=0,
@@ -545,6 +659,11 @@ CASES = [
          bad={"stages": [1, 9], "micro_batches": [0, 5], "counts": [[1], [0, 3]],
               "timeout": [0.0, -1.0]},
          legal={"counts": [None], "x": [NAN_TENSOR], "y": [NAN_TENSOR]}, run_good=False),
+    Case(PL + "torch_pipeline.run_torch_zoo",
+         lambda: dict(name="interleaved", **_md4(), stages=2, micro_batches=4, timeout=30.0),
+         bad={"stages": [1, 3, 5], "micro_batches": [0, 5, [], [2, 0]],
+              "timeout": [0.0, -1.0]},
+         legal={"x": [NAN_TENSOR], "y": [NAN_TENSOR]}, run_good=False),
     Case(PL + "hydra.hydra_train",
          lambda: dict(models=[_ms(), _ms()], data=[pl_runtime.make_data(_ms(), 4, seed=s)
                                                    for s in (0, 1)], stages=2,
@@ -553,6 +672,14 @@ CASES = [
          bad={"models": [[], "ab"], "stages": [1, 9], "micro_batches": [0, 5], "steps": [0],
               "lr": [0.0, -1.0], "timeout": [0.0, -1.0]},
          legal={"counts": [None]}, run_good=False),
+    # On ranks (run_good=False: the legal call needs a group); every argument is checked
+    # before the first collective, and dist.run gives every rank the same ones.
+    Case(MOE + "parallel.mesh_groups", lambda: dict(world_size=4, ep=2),
+         bad={"world_size": [0], "ep": [0, 5, 3]}, run_good=False),
+    Case(MOE + "parallel.sync_grads",
+         lambda: dict(model=torch.nn.Linear(2, 2), world_size=2, dp_group=None, dp_size=1),
+         bad={"model": [3], "world_size": [0], "dp_size": [0, 3], "dp_group": [3, "world"]},
+         run_good=False),
     Case(MOE + "parallel.to_expert_parallel",
          lambda: dict(model=torch.nn.Sequential(moe_layer.MoE(4, 8, 4, 1)), ep_rank=1,
                       ep_size=2, group=None),
@@ -567,6 +694,20 @@ CASES = [
               "n_experts": [0, 3], "k": [0, 5], "capacity_factor": [0.0, -1.0],
               "balance": [-1.0], "seed": [-1], "timeout": [0.0, -1.0]},
          legal={"ep": [None], "capacity_factor": [None]}, run_good=False),
+    Case(MOE + "workers.layer_worker",
+         lambda: dict(rank=1, world_size=2, ep=2, spec=_layer_spec()),
+         bad={"rank": [2, -1], "world_size": [0], "ep": [0, 3],
+              "spec": [3, {}, {**_layer_spec(), "tokens": 0}, {**_layer_spec(), "k": 5},
+                       {**_layer_spec(), "n_experts": 3}, {**_layer_spec(), "balance": -1.0},
+                       {**_layer_spec(), "empty_expert": 1}, {**_layer_spec(), "extra": 1}]},
+         run_good=False),
+    Case(MOE + "workers.train_worker",
+         lambda: dict(rank=3, world_size=4, ep=2, spec=_train_spec()),
+         bad={"rank": [4, -1], "world_size": [0], "ep": [0, 3],
+              "spec": [3, {}, {**_train_spec(), "steps": 0}, {**_train_spec(), "lr": 0.0},
+                       {**_train_spec(), "n_experts": 3}, {**_train_spec(), "seed": -1},
+                       {**_train_spec(), "cfg": {"d_model": 0}}]},
+         run_good=False),
     Case(MOE + "workers.train_check",
          lambda: dict(world_size=4, ep=2, steps=1, batch=2, n_experts=4, k=1,
                       capacity_factor=1.0, balance=0.01, lr=1e-2, seed=0, timeout=30.0),
@@ -600,6 +741,38 @@ COVERED_ELSEWHERE: dict[str, str] = {
         "tests/multi_device/test_context_parallel.py::test_sequence_parallel_refuses_uneven_slices_on_every_rank",
     MD + "tensor_parallel.megatron.CopyToRanks":
         "tests/multi_device/test_context_parallel.py::test_sequence_parallel_refuses_uneven_slices_on_every_rank",
+    MD + "tensor_parallel.layers.GatherFromRanks":
+        "tests/multi_device/test_megatron_layers.py::test_bad_arguments_fail_on_every_rank_naming_them",
+    MD + "tensor_parallel.layers.SplitToRanks":
+        "tests/multi_device/test_megatron_layers.py::test_bad_arguments_fail_on_every_rank_naming_them",
+    MD + "tensor_parallel.layers.MegatronColumnParallelLinear":
+        "tests/multi_device/test_megatron_layers.py::test_bad_arguments_fail_on_every_rank_naming_them",
+    MD + "tensor_parallel.layers.MegatronRowParallelLinear":
+        "tests/multi_device/test_megatron_layers.py::test_bad_arguments_fail_on_every_rank_naming_them",
+    MD + "tensor_parallel.layers.VocabParallelEmbedding":
+        "tests/multi_device/test_megatron_layers.py::test_bad_arguments_fail_on_every_rank_naming_them",
+    MD + "tensor_parallel.layers.vocab_parallel_cross_entropy":
+        "tests/multi_device/test_megatron_layers.py::test_bad_arguments_fail_on_every_rank_naming_them",
+    MD + "tensor_parallel.movements.RankBroadcast":
+        "tests/multi_device/test_tensor_parallel.py::test_rank_movements_refuse_bad_blocks_on_every_rank",
+    MD + "tensor_parallel.movements.RankSumReduce":
+        "tests/multi_device/test_tensor_parallel.py::test_rank_movements_refuse_bad_blocks_on_every_rank",
+    MD + "tensor_parallel.movements.RankScatter":
+        "tests/multi_device/test_tensor_parallel.py::test_rank_movements_refuse_bad_blocks_on_every_rank",
+    MD + "tensor_parallel.movements.RankGather":
+        "tests/multi_device/test_tensor_parallel.py::test_rank_movements_refuse_bad_blocks_on_every_rank",
+    MD + "tensor_parallel.movements.RankAllGather":
+        "tests/multi_device/test_tensor_parallel.py::test_rank_movements_refuse_bad_blocks_on_every_rank",
+    MD + "tensor_parallel.movements.RankReduceScatter":
+        "tests/multi_device/test_tensor_parallel.py::test_rank_movements_refuse_bad_blocks_on_every_rank",
+    MD + "tensor_parallel.movements.RankHaloExchange":
+        "tests/multi_device/test_tensor_parallel.py::test_rank_movements_refuse_bad_blocks_on_every_rank",
+    MD + "tensor_parallel.movements.RankRepartition":
+        "tests/multi_device/test_tensor_parallel.py::test_rank_movements_refuse_bad_blocks_on_every_rank",
+    MD + "moe.parallel.AllToAll":
+        "tests/multi_device/test_moe_all_to_all.py::test_bad_splits_fail_on_every_rank_naming_them",
+    MD + "context_parallel.ulysses.AllToAll":
+        "tests/multi_device/test_ulysses_all_to_all.py::test_bad_sizes_fail_on_every_rank_naming_them",
     MD + "pipeline.virtual.run_schedule":
         "tests/multi_device/test_pipeline_zoo.py::test_run_schedule_refuses_a_schedule_validate_rejects",
     MD + "moe.parallel.ExpertParallelMoE":
@@ -610,35 +783,5 @@ EXEMPT: dict[str, str] = {}
 # Public callables whose contract test is still to be written (test_completeness: only shrinks).
 PENDING = [
     "parlearn.multi_device.pipeline.schedules.Op",
-    "parlearn.multi_device.context_parallel.gpt.cp_train_worker",
-    "parlearn.multi_device.context_parallel.sequence_parallel.sp_block_worker",
-    "parlearn.multi_device.context_parallel.ulysses.AllToAll",
-    "parlearn.multi_device.context_parallel.workers.attention_worker",
-    "parlearn.multi_device.context_parallel.workers.saved_bytes",
-    "parlearn.multi_device.context_parallel.workers.torch_cp_worker",
-    "parlearn.multi_device.moe.parallel.AllToAll",
-    "parlearn.multi_device.moe.parallel.mesh_groups",
-    "parlearn.multi_device.moe.parallel.sync_grads",
     "parlearn.multi_device.moe.router.Routing",
-    "parlearn.multi_device.moe.train.train_moe",
-    "parlearn.multi_device.moe.workers.layer_worker",
-    "parlearn.multi_device.moe.workers.train_worker",
-    "parlearn.multi_device.pipeline.runtime.PipelineRun",
-    "parlearn.multi_device.pipeline.runtime.bench",
-    "parlearn.multi_device.pipeline.runtime.stage_op_costs",
-    "parlearn.multi_device.pipeline.simulator.Simulation",
-    "parlearn.multi_device.pipeline.torch_pipeline.run_torch_zoo",
-    "parlearn.multi_device.tensor_parallel.conv.bench",
-    "parlearn.multi_device.tensor_parallel.conv.halo_conv_worker",
-    "parlearn.multi_device.tensor_parallel.megatron.megatron_worker",
-    "parlearn.multi_device.tensor_parallel.movements.RankAllGather",
-    "parlearn.multi_device.tensor_parallel.movements.RankBroadcast",
-    "parlearn.multi_device.tensor_parallel.movements.RankGather",
-    "parlearn.multi_device.tensor_parallel.movements.RankHaloExchange",
-    "parlearn.multi_device.tensor_parallel.movements.RankReduceScatter",
-    "parlearn.multi_device.tensor_parallel.movements.RankRepartition",
-    "parlearn.multi_device.tensor_parallel.movements.RankScatter",
-    "parlearn.multi_device.tensor_parallel.movements.RankSumReduce",
-    "parlearn.multi_device.tensor_parallel.movements.rank_dot_product_worker",
-    "parlearn.multi_device.tensor_parallel.plan_hlo.hlo_collectives",
 ]

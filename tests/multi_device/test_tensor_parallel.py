@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ranks import assert_refused_on_every_rank
 
 from parlearn.multi_device import tensor_parallel as tp
 
@@ -211,3 +212,31 @@ def test_serial_conv_leaves_the_global_rng_alone():
 def test_bad_calls_fail_fast(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def _bad_movement(rank: int, world_size: int, which: str) -> None:
+    x = torch.zeros(4, 2, dtype=torch.float64)
+    if which == "broadcast":     # one rank's block is longer
+        tp.RankBroadcast.apply(x if rank == 0 else torch.zeros(5, 2, dtype=torch.float64))
+    elif which == "sum_reduce":  # one rank passes no tensor
+        tp.RankSumReduce.apply(x if rank == 0 else "x")
+    elif which == "all_gather":  # one rank's block in another dtype
+        tp.RankAllGather.apply(x if rank == 0 else x.float())
+    elif which == "reduce_scatter":
+        tp.RankReduceScatter.apply(torch.zeros(3, 2))
+    elif which == "scatter":
+        tp.RankScatter.apply(torch.zeros(3, 2))
+    elif which == "gather":
+        tp.RankGather.apply(x if rank else x[:, :1])
+    elif which == "halo_exchange":   # neighbours that disagree on the halo width
+        tp.RankHaloExchange.apply(x, 1 + rank)
+    elif which == "repartition":
+        tp.RankRepartition.apply(x, 0, 2)
+
+
+@pytest.mark.parametrize("which, name", [
+    ("broadcast", "x.shape"), ("sum_reduce", "x must be a torch.Tensor"),
+    ("all_gather", "x.dtype"), ("reduce_scatter", "x.shape[0]"), ("scatter", "x.shape[0]"),
+    ("gather", "x.shape"), ("halo_exchange", "halo"), ("repartition", "dst")])
+def test_rank_movements_refuse_bad_blocks_on_every_rank(which, name):
+    assert_refused_on_every_rank(_bad_movement, (which,), name=name)

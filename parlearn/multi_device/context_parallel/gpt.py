@@ -140,7 +140,17 @@ def serial_train(cfg: GPTConfig, *, steps: int = 3, batch: int = 2, seq: int = 1
 def cp_train_worker(rank: int, world_size: int, cfg: GPTConfig, steps: int, batch: int,
                     seq: int, lr: float, seed: int, layout: str, scheme: str) -> dict:
     """Worker: :func:`serial_train`'s loop with each sequence sharded over the ranks by
-    ``layout``; loss shares and gradients summed by all-reduce."""
+    ``layout``; loss shares and gradients summed by all-reduce. Every argument is checked
+    before the first message (:func:`cp_train` gives every rank the same ones)."""
+    world_size = check_int("world_size", world_size, lo=1)
+    rank = check_int("rank", rank, lo=0, hi=world_size - 1)
+    steps, batch, seq = (check_int(n, v, lo=1) for n, v in
+                         (("steps", steps), ("batch", batch), ("seq", seq)))
+    check_choice("layout", layout, LAYOUTS)
+    check_choice("scheme", scheme, tuple(_ATTENTION))
+    lr = check_float("lr", lr, lo=0, lo_open=True)
+    seed = check_int("seed", seed, lo=0)
+    cfg = _cfg(cfg, seq)
     model = GPT(cfg, dtype=torch.float64)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     pos = shard_index(seq, world_size, rank, layout)

@@ -186,7 +186,10 @@ def sp_block_worker(rank: int, world_size: int, seq: int, batch: int, d_model: i
     seq, batch = check_int("seq", seq, lo=1), check_int("batch", batch, lo=1)
     if seq % world_size:
         raise ValueError(f"seq={seq} must be divisible by world_size={world_size} for SP")
-    full = serial_block(d_model, d_hidden, seed)
+    full = serial_block(d_model, d_hidden, seed)   # checks d_model, d_hidden and seed
+    if d_hidden % world_size:
+        raise ValueError(f"d_hidden={d_hidden} must be divisible by world_size={world_size} "
+                         f"(the column and row split)")
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(seq, batch, d_model, generator=gen, dtype=torch.float64)
     w = torch.randn(seq, batch, d_model, generator=gen, dtype=torch.float64)

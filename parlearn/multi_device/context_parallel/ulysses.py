@@ -23,7 +23,7 @@ import torch
 import torch.distributed as tdist
 
 from parlearn.core.checks import check_bool, check_choice, check_int, check_tensor
-from parlearn.distributed.agree import agree
+from parlearn.distributed.agree import _unrecorded, agree
 from parlearn.multi_device.context_parallel.blocks import LAYOUTS, shard_chunks, shard_index
 
 __all__ = ["AllToAll", "ulysses_attention"]
@@ -37,6 +37,7 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, split_dim, send_sizes, cat_dim, recv_sizes):
+        _check_exchange(x, split_dim, send_sizes, cat_dim, recv_sizes)
         ctx.args = (split_dim, send_sizes, cat_dim, recv_sizes)
         return _exchange(x, split_dim, send_sizes, cat_dim, recv_sizes)
 
@@ -44,6 +45,48 @@ class AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         split_dim, send_sizes, cat_dim, recv_sizes = ctx.args
         return _exchange(grad, cat_dim, recv_sizes, split_dim, send_sizes), None, None, None, None
+
+
+def _sizes(name: str, value, world: int) -> list[int]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list of {world} sizes, got {value!r}")
+    if len(value) != world:
+        raise ValueError(f"{name} must hold one size per rank ({world}), got {value!r}")
+    return [check_int(name, n, lo=0) for n in value]
+
+
+def _check_exchange(x, split_dim, send_sizes, cat_dim, recv_sizes) -> None:
+    """Each rank's arguments, then that every block rank ``i`` sends rank ``j`` has the
+    shape ``j`` expects from ``i``, on every rank before the exchange (a mismatch would
+    abort or hang inside it)."""
+    err, shape = None, None
+    try:
+        check_tensor("x", x)
+        shape = list(x.shape)
+        split_dim = check_int("split_dim", split_dim, lo=0, hi=max(x.dim() - 1, 0))
+        cat_dim = check_int("cat_dim", cat_dim, lo=0, hi=max(x.dim() - 1, 0))
+        world = tdist.get_world_size() if tdist.is_initialized() else 1
+        send_sizes = _sizes("send_sizes", send_sizes, world)
+        recv_sizes = _sizes("recv_sizes", recv_sizes, world)
+        if x.dim() == 0 or sum(send_sizes) != x.shape[split_dim]:
+            raise ValueError(f"send_sizes must sum to x.shape[split_dim] "
+                             f"({shape[split_dim] if shape else None}), got {send_sizes}")
+    except (TypeError, ValueError) as e:
+        err = e
+    agree({"x.dtype": str(getattr(x, "dtype", None)), "split_dim": split_dim,
+           "cat_dim": cat_dim}, err)
+    table: list = [None] * tdist.get_world_size()
+    with _unrecorded():   # bookkeeping, like agree's own exchange: not in the ledger
+        tdist.all_gather_object(table, (shape, list(send_sizes), list(recv_sizes)))
+    for i, (shape_i, send_i, _) in enumerate(table):
+        for j, (shape_j, send_j, recv_j) in enumerate(table):
+            sent, want = list(shape_i), list(shape_j)
+            sent[split_dim] = send_i[j]
+            want[split_dim], want[cat_dim] = send_j[j], recv_j[i]
+            if sent != want:
+                raise ValueError(f"send_sizes and recv_sizes must match across ranks: rank {i} "
+                                 f"sends rank {j} a block of shape {tuple(sent)}, which "
+                                 f"expects {tuple(want)}")
 
 
 def _exchange(x, split_dim, send_sizes, cat_dim, recv_sizes):

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from parlearn.core.checks import check_bool, check_choice, check_float, check_int
+from parlearn.core.checks import (
+    check_bool,
+    check_callable,
+    check_choice,
+    check_device,
+    check_float,
+    check_int,
+)
 from parlearn.multi_device.context_parallel.blocks import LAYOUTS, full_attention, shard_index
 from parlearn.multi_device.context_parallel.ring import ring_attention
 from parlearn.multi_device.context_parallel.ulysses import ulysses_attention
@@ -26,6 +33,7 @@ def saved_bytes(fn, *args, **kwargs) -> tuple:
     """``(fn(*args, **kwargs), bytes)``: the bytes of the distinct storages autograd saved
     for backward during the call (what stays allocated until backward), parameters
     excluded."""
+    check_callable("fn", fn)
     seen: dict[int, int] = {}
 
     def pack(t):
@@ -61,7 +69,14 @@ def attention_worker(rank: int, world_size: int, scheme: str, seq: int, batch: i
     autograd saved for backward in forward (:func:`saved_bytes`)."""
     from parlearn.distributed import ledger
 
-    idx = shard_index(seq, world_size, rank, layout)
+    check_choice("scheme", scheme, SCHEMES)
+    world_size = check_int("world_size", world_size, lo=1)
+    rank = check_int("rank", rank, lo=0, hi=world_size - 1)
+    seq = check_int("seq", seq, lo=1)
+    causal = check_bool("causal", causal)
+    check_choice("layout", layout, LAYOUTS)
+    repeat = check_int("repeat", repeat, lo=1)
+    idx = shard_index(seq, world_size, rank, layout)   # checks seq against the layout
     q, k, v, w = (t[..., idx, :].clone() for t in
                   attention_inputs(seq, batch, heads, head_dim, seed))
     for _ in range(repeat):
@@ -120,7 +135,10 @@ def torch_cp_worker(rank: int, world_size: int, device: str = "cpu") -> float:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
 
-    mesh = init_device_mesh(device, (world_size,))
+    world_size = check_int("world_size", world_size, lo=1)
+    rank = check_int("rank", rank, lo=0, hi=world_size - 1)
+    device = check_device("device", device)
+    mesh = init_device_mesh(device.type, (world_size,))
     q, k, v, _ = (t.to(device) for t in attention_inputs(8 * world_size, heads=2,
                                                           head_dim=8, dtype=torch.float32))
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)

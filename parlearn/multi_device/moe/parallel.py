@@ -31,19 +31,65 @@ import torch.distributed as tdist
 from torch import nn
 
 from parlearn.core.checks import check_int, check_module, check_tensor
-from parlearn.distributed.agree import agree
+from parlearn.distributed.agree import _unrecorded, agree
 from parlearn.multi_device.moe.layer import MoE, moe_layers
 from parlearn.multi_device.moe.router import Routing
 
 __all__ = ["AllToAll", "ExpertParallelMoE", "mesh_groups", "to_expert_parallel", "sync_grads"]
 
 
+def _splits(name: str, value, world: int) -> list[int]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list of {world} row counts, got {value!r}")
+    if len(value) != world:
+        raise ValueError(f"{name} must hold one row count per rank ({world}), got {value!r}")
+    return [check_int(name, n, lo=0) for n in value]
+
+
+def _check_all_to_all(x, out_splits, in_splits, group) -> None:
+    """Each rank's arguments, then that what rank ``i`` sends rank ``j``
+    (``in_splits[j]`` on ``i``) is what ``j`` expects from ``i`` (``out_splits[i]`` on
+    ``j``), on every rank before the exchange: a mismatch would abort or hang in it."""
+    err = None
+    try:
+        if group is not None and not isinstance(group, tdist.ProcessGroup):
+            raise TypeError(f"group must be a ProcessGroup or None, got {type(group).__name__}")
+        check_tensor("x", x)
+        if x.dim() == 0:
+            raise ValueError("x must have at least one dimension (its rows are exchanged)")
+        world = tdist.get_world_size(group) if tdist.is_initialized() else 1
+        out_splits = _splits("out_splits", out_splits, world)
+        in_splits = _splits("in_splits", in_splits, world)
+        if sum(in_splits) != x.shape[0]:
+            raise ValueError(f"in_splits must sum to the rows of x ({x.shape[0]}), got "
+                             f"{in_splits}")
+    except (TypeError, ValueError) as e:
+        err = e
+    ok = isinstance(group, tdist.ProcessGroup | None)
+    agree({"x.shape[1:]": tuple(x.shape[1:]) if isinstance(x, torch.Tensor) else None,
+           "x.dtype": str(getattr(x, "dtype", None))}, err, group=group if ok else None)
+    table: list = [None] * tdist.get_world_size(group)
+    with _unrecorded():   # bookkeeping, like agree's own exchange: not in the ledger
+        tdist.all_gather_object(table, (list(in_splits), list(out_splits)), group=group)
+    for i, (sends, _) in enumerate(table):
+        for j, (_, expects) in enumerate(table):
+            if sends[j] != expects[i]:
+                raise ValueError(f"in_splits and out_splits must match across ranks: rank {i} "
+                                 f"sends {sends[j]} rows to rank {j}, which expects "
+                                 f"{expects[i]} (in_splits per rank: "
+                                 f"{[t[0] for t in table]}, out_splits: "
+                                 f"{[t[1] for t in table]})")
+
+
 class AllToAll(torch.autograd.Function):
     """``all_to_all_single`` of rows of ``x`` with split sizes, differentiable: backward
-    sends the gradient rows back with the splits swapped."""
+    sends the gradient rows back with the splits swapped. ``AllToAll.apply(x, out_splits,
+    in_splits, group)``: ``in_splits[j]`` rows of ``x`` (in order) go to rank ``j``,
+    ``out_splits[i]`` rows arrive from rank ``i``; checked on every rank first."""
 
     @staticmethod
     def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
+        _check_all_to_all(x, out_splits, in_splits, group)
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         tdist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
@@ -134,6 +180,10 @@ def mesh_groups(world_size: int, ep: int) -> tuple[int, int, object, object]:
     """``(ep_rank, dp_rank, ep_group, dp_group)`` of this rank on the ``(world/ep, ep)`` mesh
     (module docstring). Every rank must call it, in the same order (``new_group`` is
     collective)."""
+    world_size = check_int("world_size", world_size, lo=1)
+    if tdist.is_initialized() and world_size != tdist.get_world_size():
+        raise ValueError(f"world_size={world_size} must be the group's size "
+                         f"{tdist.get_world_size()}")
     ep = check_int("ep", ep, lo=1, hi=world_size)
     if world_size % ep:
         raise ValueError(f"ep={ep} must divide world_size={world_size}")
@@ -167,6 +217,12 @@ def sync_grads(model: nn.Module, world_size: int, dp_group=None, dp_size: int = 
     replicas; the all-to-all backward already summed over the EP group), all divided by
     ``world_size``. A parameter without a gradient (an expert that got no token) gets
     zeros, so every rank issues the same collectives."""
+    check_module("model", model)
+    world_size = check_int("world_size", world_size, lo=1)
+    dp_size = check_int("dp_size", dp_size, lo=1, hi=world_size)
+    if dp_group is not None and not isinstance(dp_group, tdist.ProcessGroup):
+        raise TypeError(f"dp_group must be a torch.distributed ProcessGroup or None, got "
+                        f"{type(dp_group).__name__}")
     experts = _is_expert(model)
     for p in model.parameters():
         if p.grad is None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from parlearn.core.checks import check_float, check_int
+from parlearn.core.checks import check_callable, check_float, check_int
 from parlearn.multi_device.moe.cost import imbalance
 from parlearn.multi_device.moe.layer import aux_loss, moe_gpt, moe_layers
 from parlearn.multi_device.transformer.corpus import CharCorpus, get_batch, pydoc_corpus
@@ -34,11 +34,23 @@ def train_moe(cfg: GPTConfig, n_experts: int = 0, k: int = 1, *, balance: float 
     Returns ``{"model", "steps", "train_loss", "eval_steps", "val_loss", "counts"
     (per step, per layer, tokens per expert after capacity), "imbalance" (per step, the
     mean over layers of max/mean), "dropped" (per step), "params", "flops_per_token"}``."""
-    corpus = pydoc_corpus() if corpus is None else corpus
+    if not isinstance(cfg, GPTConfig):
+        raise TypeError(f"cfg must be a GPTConfig, got {type(cfg).__name__}")
     n_experts = check_int("n_experts", n_experts, lo=0)
+    # The dense model (n_experts=0) routes nothing: k other than 1 would be ignored.
+    k = check_int("k", k, lo=1, hi=max(n_experts, 1))
+    balance, z = check_float("balance", balance, lo=0), check_float("z", z, lo=0)
+    if capacity_factor is not None:
+        check_float("capacity_factor", capacity_factor, lo=0, lo_open=True)
     steps, batch = check_int("steps", steps, lo=1), check_int("batch", batch, lo=1)
     lr = check_float("lr", lr, lo=0, lo_open=True)
     eval_every = check_int("eval_every", eval_every, lo=1)
+    seed = check_int("seed", seed, lo=0)
+    if progress is not None:
+        check_callable("progress", progress)
+    if corpus is not None and not isinstance(corpus, CharCorpus):
+        raise TypeError(f"corpus must be a CharCorpus or None, got {type(corpus).__name__}")
+    corpus = pydoc_corpus() if corpus is None else corpus
     model = GPT(cfg) if n_experts == 0 else moe_gpt(cfg, n_experts, k,
                                                     capacity_factor=capacity_factor)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)

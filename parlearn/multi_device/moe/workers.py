@@ -31,7 +31,72 @@ def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).detach().abs().max()) if a.numel() else 0.0
 
 
+def _layer_spec(world_size: int, ep: int, *, tokens: int, d_model: int, d_ff: int,
+                n_experts: int, k: int, capacity_factor: float | None, routing: str,
+                empty_expert: bool, balance: float, seed: int) -> dict:
+    """The layer the ranks build, checked here first: its arguments are refused before any
+    rank starts (and nothing is coerced: empty_expert a bool, balance a number)."""
+    world_size = check_int("world_size", world_size, lo=1)
+    ep = check_int("ep", ep, lo=1, hi=world_size)
+    MoE(d_model, d_ff, n_experts, k, capacity_factor=capacity_factor, routing=routing,
+        seed=seed)
+    if world_size % ep:
+        raise ValueError(f"ep={ep} must divide world_size={world_size}")
+    if n_experts % ep:
+        raise ValueError(f"n_experts={n_experts} must be divisible by the EP degree ep={ep}")
+    return {"tokens": check_int("tokens", tokens, lo=1), "d_model": d_model, "d_ff": d_ff,
+            "n_experts": n_experts, "k": k, "capacity_factor": capacity_factor,
+            "routing": routing, "empty_expert": check_bool("empty_expert", empty_expert),
+            "balance": check_float("balance", balance, lo=0), "seed": seed}
+
+
+def _train_spec(world_size: int, ep: int, *, steps: int, batch: int, n_experts: int, k: int,
+                capacity_factor: float | None, balance: float, lr: float, seed: int,
+                cfg: dict | None = None) -> dict:
+    """The training run's arguments, checked before any rank starts."""
+    world_size = check_int("world_size", world_size, lo=1)
+    ep = check_int("ep", ep, lo=1, hi=world_size)
+    n_experts = check_int("n_experts", n_experts, lo=1)
+    k = check_int("k", k, lo=1, hi=n_experts)
+    if capacity_factor is not None:
+        check_float("capacity_factor", capacity_factor, lo=0, lo_open=True)
+    if world_size % ep or n_experts % ep:
+        raise ValueError(f"ep={ep} must divide world_size={world_size} and "
+                         f"n_experts={n_experts}")
+    cfg = _TRAIN_CFG if cfg is None else cfg
+    GPTConfig(**cfg)   # checks the model's sizes
+    return {"cfg": cfg, "n_experts": n_experts, "k": k, "capacity_factor": capacity_factor,
+            "lr": check_float("lr", lr, lo=0, lo_open=True),
+            "steps": check_int("steps", steps, lo=1), "batch": check_int("batch", batch, lo=1),
+            "balance": check_float("balance", balance, lo=0),
+            "seed": check_int("seed", seed, lo=0)}
+
+
+_TRAIN_CFG = {"vocab_size": 16, "d_model": 8, "n_heads": 2, "n_layers": 1, "max_seq": 6}
+
+
+def _respec(build, rank: int, world_size: int, ep: int, spec) -> dict:
+    """A worker's ``spec`` rebuilt by ``build`` (the check its ``*_check`` ran), so a worker
+    started directly refuses what the check would have, before the first message; the
+    message names ``spec`` and the field."""
+    world_size = check_int("world_size", world_size, lo=1)
+    check_int("rank", rank, lo=0, hi=world_size - 1)
+    if not isinstance(spec, dict):
+        raise TypeError(f"spec must be a dict (what the *_check builds), got "
+                        f"{type(spec).__name__}")
+    try:
+        out = build(world_size, ep, **spec)
+    except TypeError as e:
+        raise TypeError(f"spec: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"spec: {e}") from None
+    return out
+
+
 def layer_worker(rank: int, world_size: int, ep: int, spec: dict) -> dict:
+    """Worker of :func:`layer_check` (``spec``: the dict it builds); checks everything
+    before the first message."""
+    spec = _respec(_layer_spec, rank, world_size, ep, spec)
     ep_rank, _, ep_group, dp_group = mesh_groups(world_size, ep)
     T, h, E = spec["tokens"], spec["d_model"], spec["n_experts"]
     g = torch.Generator().manual_seed(spec["seed"])
@@ -81,26 +146,19 @@ def layer_check(world_size: int = 2, ep: int | None = None, *, tokens: int = 12,
     (``forward``, ``grad_x``, ``grad_router``, ``grad_experts``), its ledger summaries and
     the rows it sent to (received from) each EP rank."""
     world_size = check_int("world_size", world_size, lo=1)
-    ep = world_size if ep is None else check_int("ep", ep, lo=1, hi=world_size)
-    # The layer the ranks build, built here first: its arguments are refused before any rank
-    # starts (and nothing is coerced: empty_expert a bool, balance a number).
-    MoE(d_model, d_ff, n_experts, k, capacity_factor=capacity_factor, routing=routing,
-        seed=seed)
-    if world_size % ep:
-        raise ValueError(f"ep={ep} must divide world_size={world_size}")
-    if n_experts % ep:
-        raise ValueError(f"n_experts={n_experts} must be divisible by the EP degree ep={ep}")
-    MoE(d_model, d_ff, n_experts, k, capacity_factor=capacity_factor, routing=routing)  # checks
-    spec = {"tokens": check_int("tokens", tokens, lo=1), "d_model": d_model, "d_ff": d_ff,
-            "n_experts": n_experts, "k": k, "capacity_factor": capacity_factor,
-            "routing": routing, "empty_expert": check_bool("empty_expert", empty_expert),
-            "balance": check_float("balance", balance, lo=0), "seed": seed}
+    ep = world_size if ep is None else ep
+    spec = _layer_spec(world_size, ep, tokens=tokens, d_model=d_model, d_ff=d_ff,
+                       n_experts=n_experts, k=k, capacity_factor=capacity_factor,
+                       routing=routing, empty_expert=empty_expert, balance=balance, seed=seed)
     timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     return run(layer_worker, world_size, args=(ep, spec), timeout=timeout,
                deadline=10 * timeout)
 
 
 def train_worker(rank: int, world_size: int, ep: int, spec: dict) -> dict:
+    """Worker of :func:`train_check` (``spec``: the dict it builds); checks everything
+    before the first message."""
+    spec = _respec(_train_spec, rank, world_size, ep, spec)
     ep_rank, _, ep_group, dp_group = mesh_groups(world_size, ep)
     cfg = GPTConfig(**spec["cfg"])
     serial = moe_gpt(cfg, spec["n_experts"], spec["k"], capacity_factor=spec["capacity_factor"],
@@ -144,22 +202,8 @@ def train_check(world_size: int = 4, ep: int = 2, *, steps: int = 3, batch: int 
     over the rest, ``batch`` sequences per rank, beside the single-process run on all the
     batches (``groups=world_size``); each rank returns ``losses`` (reference, mean over
     ranks) per step and ``weights``, the largest weight difference at the end."""
-    world_size = check_int("world_size", world_size, lo=1)
-    ep = check_int("ep", ep, lo=1, hi=world_size)
-    n_experts = check_int("n_experts", n_experts, lo=1)
-    k = check_int("k", k, lo=1, hi=n_experts)
-    if capacity_factor is not None:
-        check_float("capacity_factor", capacity_factor, lo=0, lo_open=True)
-    balance = check_float("balance", balance, lo=0)
-    lr = check_float("lr", lr, lo=0, lo_open=True)
-    seed = check_int("seed", seed, lo=0)
+    spec = _train_spec(world_size, ep, steps=steps, batch=batch, n_experts=n_experts, k=k,
+                       capacity_factor=capacity_factor, balance=balance, lr=lr, seed=seed)
     timeout = check_float("timeout", timeout, lo=0, lo_open=True)
-    if world_size % ep or n_experts % ep:
-        raise ValueError(f"ep={ep} must divide world_size={world_size} and "
-                         f"n_experts={n_experts}")
-    spec = {"cfg": {"vocab_size": 16, "d_model": 8, "n_heads": 2, "n_layers": 1, "max_seq": 6},
-            "n_experts": n_experts, "k": k, "capacity_factor": capacity_factor, "lr": lr,
-            "steps": check_int("steps", steps, lo=1), "batch": check_int("batch", batch, lo=1),
-            "balance": balance, "seed": seed}
     return run(train_worker, world_size, args=(ep, spec), timeout=timeout,
                deadline=10 * timeout)

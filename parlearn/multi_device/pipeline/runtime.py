@@ -26,9 +26,11 @@ from torch import nn
 from parlearn.core.checks import (
     check_bool,
     check_choice,
+    check_device,
     check_float,
     check_int,
     check_module,
+    check_str,
     check_tensor,
 )
 from parlearn.multi_device.pipeline.partition import (
@@ -282,6 +284,19 @@ class PipelineRun:
     log: list[str] = field(repr=False)
     bubble: float = 0.0
 
+    def __post_init__(self) -> None:
+        # A record, but a public one: what it holds is checked like any argument.
+        check_str("kind", self.kind)
+        check_int("stages", self.stages, lo=1)
+        check_int("micro_batches", self.micro_batches, lo=1)
+        for name in ("grads", "ops", "events", "log"):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+                raise TypeError(f"{name} must be a list, got {value!r}")
+        if any(not isinstance(g, torch.Tensor) for g in self.grads):
+            raise TypeError("grads must be a list of tensors")
+        check_float("bubble", self.bubble)
+
 
 def measured_bubble(events: Sequence[tuple[str, str, float, float]]) -> float:
     """Idle fraction of a timeline: ``1 - sum(op durations) / (lanes * (last end - first
@@ -310,6 +325,9 @@ def _preimport() -> None:
 def stage_op_costs(run: PipelineRun) -> dict[str, list[float]]:
     """Median measured seconds of each op kind (``"F"``, ``"B"``, ``"W"`` when present) on
     each stage of ``run``: the per-stage costs to feed :func:`simulate`."""
+    if not isinstance(run, PipelineRun):
+        raise TypeError(f"run must be a PipelineRun (what run_pipeline returns), got "
+                        f"{type(run).__name__}")
     out: dict[str, list[float]] = {}
     for kind in "FBW":
         per = [sorted(e[3] - e[2] for e in run.events
@@ -409,7 +427,8 @@ def bench(device: torch.device, quick: bool) -> list:
     from parlearn.core.bench import Row
     from parlearn.core.timing import Timing
 
-    del device
+    check_device("device", device)   # checked, then unused: see the docstring
+    check_bool("quick", quick)
     repeat, m, rows = (3 if quick else 7), 4, []
     where = f"2 gloo ranks on CPU ({__import__('os').cpu_count()} cores)"
 

@@ -42,6 +42,19 @@ class Simulation:
     idle_in_span: list[float] = field(default_factory=list)
     messages: int = 0
 
+    def __post_init__(self) -> None:
+        # A record, but a public one: what it holds is checked like any argument.
+        for name in ("events", "busy", "peak_in_flight", "idle_in_span"):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+                raise TypeError(f"{name} must be a list, got {value!r}")
+        for name in ("busy", "peak_in_flight", "idle_in_span"):
+            for v in getattr(self, name):
+                check_float(name, v)
+        check_float("makespan", self.makespan, lo=0)
+        check_float("bubble", self.bubble)
+        check_int("messages", self.messages, lo=0)
+
 
 def _per_stage(name: str, value, stages: int) -> list[float]:
     if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -9,6 +9,9 @@ module             what it holds
 =================  =======================================================================
 ``megatron``       Megatron's ``f`` and ``g``, column- and row-parallel linear layers from
                    scratch, checked beside DTensor's ``parallelize_module`` on real ranks
+``layers``         the same layers with Megatron-LM's constructor arguments (sizes, seed,
+                   ``gather_output``, ``input_is_parallel``), the vocabulary-parallel
+                   embedding and cross-entropy, the gather/split autograd pair
 ``movements``      DistDL's movements as linear operators with their adjoints (broadcast,
                    scatter, all-gather, halo exchange, transpose): in one process, the
                    dot-product test, and the same pairs on real ranks
@@ -30,6 +33,16 @@ from parlearn.multi_device.tensor_parallel.conv import (
     halo_conv_check,
     halo_conv_worker,
     serial_conv,
+)
+from parlearn.multi_device.tensor_parallel.layers import (
+    GatherFromRanks,
+    MegatronColumnParallelLinear,
+    MegatronRowParallelLinear,
+    SplitToRanks,
+    VocabParallelEmbedding,
+    serial_embedding,
+    serial_linear,
+    vocab_parallel_cross_entropy,
 )
 from parlearn.multi_device.tensor_parallel.megatron import (
     ELEMENTWISE,
@@ -83,6 +96,10 @@ from parlearn.multi_device.tensor_parallel.plan_levels import (
 
 __all__ = ["CopyToRanks", "SumOverRanks", "ColumnParallelLinear", "RowParallelLinear",
            "ELEMENTWISE", "MegatronMLP", "serial_mlp", "megatron_worker", "megatron_check",
+           # Megatron's constructor API: layers
+           "GatherFromRanks", "SplitToRanks", "MegatronColumnParallelLinear",
+           "MegatronRowParallelLinear", "VocabParallelEmbedding",
+           "vocab_parallel_cross_entropy", "serial_linear", "serial_embedding",
            "MOVEMENTS", "movement", "dot_product_test", "movement_matrix",
            "RankBroadcast", "RankSumReduce", "RankScatter", "RankGather", "RankAllGather",
            "RankReduceScatter",

@@ -16,7 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parlearn.core.checks import check_float, check_int, check_module, check_seed
+from parlearn.core.checks import (
+    check_bool,
+    check_device,
+    check_float,
+    check_int,
+    check_module,
+    check_seed,
+)
 from parlearn.multi_device.tensor_parallel.megatron import CopyToRanks, _chunk, megatron_check
 from parlearn.multi_device.tensor_parallel.movements import RankHaloExchange
 from parlearn.multi_device.tensor_parallel.plan import Conv, Dense, best_one_cut, plan_collectives
@@ -96,6 +103,15 @@ def halo_conv_worker(rank: int, world_size: int, batch: int, c_in: int, c_out: i
     ledger of the forward and backward collectives."""
     from parlearn.distributed import ledger
 
+    world_size = check_int("world_size", world_size, lo=1)
+    rank = check_int("rank", rank, lo=0, hi=world_size - 1)
+    batch, c_in, c_out = (check_int(n, v, lo=1) for n, v in
+                          (("batch", batch), ("c_in", c_in), ("c_out", c_out)))
+    kernel, seed = check_int("kernel", kernel, lo=1), check_int("seed", seed, lo=0)
+    length = check_int("length", length, lo=1)
+    if length % world_size or length // world_size < (kernel - 1) // 2:
+        raise ValueError(f"length {length} must split evenly over world_size={world_size} "
+                         f"into blocks at least (kernel - 1) / 2 = {(kernel - 1) // 2} long")
     full = serial_conv(c_in, c_out, kernel, seed)
     x, w = _conv_inputs(batch, c_in, c_out, length, seed)
     part = _chunk(length, rank, world_size)
@@ -153,7 +169,8 @@ def bench(device: torch.device, quick: bool) -> list:
     (payloads from the compiled HLO). No times are claimed."""
     from parlearn.core.bench import Row
 
-    del device  # see the docstring: communication volume is device-independent
+    check_device("device", device)   # checked, then unused: see the docstring
+    check_bool("quick", quick)
     rows = []
     b, d, h = (8, 16, 32) if quick else (32, 64, 256)
     res = megatron_check(2, batch=b, d_model=d, d_hidden=h)

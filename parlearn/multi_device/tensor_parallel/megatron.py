@@ -229,6 +229,14 @@ def megatron_worker(rank: int, world_size: int, batch: int, d_model: int, d_hidd
     ``<mlp(x), w>``. Returns CPU tensors: ``y`` and ``dx`` of each, this rank's gradient
     shards of the from-scratch layers, DTensor's full gradients, and the number of
     collectives the from-scratch block issued in forward and in backward (by the ledger)."""
+    world_size = check_int("world_size", world_size, lo=1)
+    rank = check_int("rank", rank, lo=0, hi=world_size - 1)
+    batch = check_int("batch", batch, lo=1)
+    seed = check_int("seed", seed, lo=0)   # every rank rebuilds the block from it: an int
+    _check_block(serial_mlp(d_model, d_hidden, seed, activation=activation))
+    if d_hidden % world_size:
+        raise ValueError(f"d_hidden={d_hidden} must be divisible by world_size={world_size} "
+                         f"(the column and row split)")
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,

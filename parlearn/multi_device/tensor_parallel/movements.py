@@ -24,6 +24,7 @@ import torch
 import torch.distributed as tdist
 
 from parlearn.core.checks import check_choice, check_int, check_seed, check_tensor
+from parlearn.distributed.agree import agree
 
 __all__ = ["MOVEMENTS", "movement", "dot_product_test", "movement_matrix",
            "RankBroadcast", "RankSumReduce", "RankScatter", "RankGather", "RankAllGather",
@@ -219,13 +220,38 @@ def movement_matrix(name: str, p: int, rows: int = 2,
 
 # ---------------------------------------------------------------------------------------
 # The same adjoint pairs on real ranks (worker-side). Each map acts on the tuple of all
-# ranks' tensors; a rank whose input the map ignores gets a zero gradient.
+# ranks' tensors; a rank whose input the map ignores gets a zero gradient. Each checks its
+# input and agrees on the shapes before the first message (a mismatch would hang or abort).
+
+def _agree_block(x, *, split_dim: int | None = None, checks: Callable[[], None] | None = None,
+                 fields: dict | None = None, shape_of: Callable | None = None) -> None:
+    """``x`` a tensor of >= 1 dims (``split_dim`` divisible by the world size), ``checks()``
+    passing; ``shape_of(x)`` (default ``x.shape``), dtype and ``fields`` equal on all ranks."""
+    err = None
+    try:
+        check_tensor("x", x)
+        if x.dim() == 0:
+            raise ValueError("x must have at least one dimension (the movements cut along "
+                             "one), got a 0-dimensional tensor")
+        if checks is not None:
+            checks()
+        p = tdist.get_world_size() if tdist.is_initialized() else 1
+        if split_dim is not None and x.shape[split_dim] % p:
+            raise ValueError(f"x.shape[{split_dim}]={x.shape[split_dim]} must be divisible by "
+                             f"world_size={p} (equal blocks)")
+    except (TypeError, ValueError) as e:
+        err = e
+    shape = (tuple(shape_of(x) if shape_of else x.shape) if isinstance(x, torch.Tensor)
+             else None)
+    agree({"x.shape": shape, "x.dtype": str(getattr(x, "dtype", None)), **(fields or {})},
+          err)
 
 class RankBroadcast(torch.autograd.Function):
     """Rank 0's tensor to every rank; backward: the gradients summed onto rank 0."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        _agree_block(x)
         out = x.detach().clone()
         tdist.broadcast(out, 0)
         return out
@@ -242,6 +268,7 @@ class RankSumReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        _agree_block(x)
         out = x.detach().clone()
         tdist.reduce(out, 0)
         return out if tdist.get_rank() == 0 else torch.zeros_like(out)
@@ -258,6 +285,7 @@ class RankAllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        _agree_block(x)
         parts = [torch.empty_like(x) for _ in range(tdist.get_world_size())]
         tdist.all_gather(parts, x.detach().contiguous())
         return torch.cat(parts, 0)
@@ -275,6 +303,7 @@ class RankReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        _agree_block(x, split_dim=0)
         chunks = [c.contiguous() for c in x.detach().chunk(tdist.get_world_size(), 0)]
         out = torch.empty_like(chunks[0])
         tdist.reduce_scatter(out, chunks)
@@ -310,6 +339,7 @@ class RankScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        _agree_block(x, split_dim=0)
         return _scatter0(x.detach())
 
     @staticmethod
@@ -323,6 +353,7 @@ class RankGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        _agree_block(x)
         return _gather0(x.detach())
 
     @staticmethod
@@ -376,9 +407,15 @@ class RankHaloExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, halo: int) -> torch.Tensor:
-        if not 1 <= halo <= x.shape[-1]:
-            raise ValueError(f"halo must be in [1, {x.shape[-1]}] (the local length), "
-                             f"got {halo}")
+        def checks() -> None:
+            check_int("halo", halo, lo=1)
+            if halo > x.shape[-1]:
+                raise ValueError(f"halo must be in [1, {x.shape[-1]}] (the local length), "
+                                 f"got {halo}")
+
+        # Neighbours exchange (*x.shape[:-1], halo) pieces: those sizes must match; the
+        # local lengths may differ.
+        _agree_block(x, checks=checks, fields={"halo": halo}, shape_of=lambda t: t.shape[:-1])
         ctx.halo = halo
         return _rank_halo(x.detach(), halo)
 
@@ -406,6 +443,12 @@ class RankRepartition(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, src: int, dst: int) -> torch.Tensor:
+        def checks() -> None:
+            check_int("src", src, lo=0, hi=x.dim() - 1)
+            check_int("dst", dst, lo=0, hi=x.dim() - 1)
+
+        # checks() refuses a bad dst before its divisibility is looked at
+        _agree_block(x, checks=checks, split_dim=dst, fields={"src": src, "dst": dst})
         ctx.src, ctx.dst = src, dst
         return _repartition(x.detach(), src, dst)
 
@@ -436,7 +479,11 @@ def rank_dot_product_worker(rank: int, world_size: int, rows: int = 2, cols: int
     product summed over ranks, ``F*`` taken as the autograd backward. Rank ``r`` draws its
     own ``x`` and ``y`` (float64) from a generator seeded by ``seed`` and ``r``. Under the
     key ``"values"``: this rank's ``(x, F x)`` of every movement, to compare with the
-    one-process movements of :data:`MOVEMENTS`."""
+    one-process movements of :data:`MOVEMENTS`. ``cols`` >= 2 (the halo)."""
+    world_size = check_int("world_size", world_size, lo=1)
+    rank = check_int("rank", rank, lo=0, hi=world_size - 1)
+    rows, seed = check_int("rows", rows, lo=1), check_int("seed", seed, lo=0)
+    cols = check_int("cols", cols, lo=2)   # the halo exchange's 2 cells fit in a block
     g = torch.Generator().manual_seed(1000 * seed + rank)
     out: dict = {"values": {}}
     for name, (fn, shape) in RANK_MOVEMENTS.items():

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from parlearn.core.checks import check_int
-from parlearn.multi_device.tensor_parallel.plan import plan_collectives
+from parlearn.core.checks import check_float, check_int
+from parlearn.multi_device.tensor_parallel.plan import network, plan_collectives
 
 __all__ = ["hlo_collectives", "bytes_by_kind"]
 
@@ -89,10 +89,25 @@ def hlo_collectives(plans: Sequence[Sequence[str]], batch: int, widths: Sequence
     import sys
 
     devices = check_int("devices", devices, lo=2)
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
+    if isinstance(widths, str) or not isinstance(widths, Sequence):
+        raise TypeError(f"widths must be a sequence of ints (the chain's widths), got "
+                        f"{widths!r}")
     widths = [check_int("widths", w, lo=1) for w in widths]
+    try:
+        network(widths)
+    except (TypeError, ValueError) as e:   # its message names "net": say which argument
+        raise type(e)(f"widths: {e}") from None
+    if isinstance(plans, str) or not isinstance(plans, Sequence):
+        raise TypeError(f"plans must be a sequence of plans (one cut per layer), got {plans!r}")
+    for i, p in enumerate(plans):
+        if isinstance(p, str) or not isinstance(p, Sequence):
+            raise TypeError(f"plans[{i}] must be a sequence of cuts, got {p!r}")
+        try:
+            plan_collectives(list(p), batch, widths, devices)  # validates cuts and sizes
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"plans[{i}]: {e}") from None
     plans = [list(p) for p in plans]
-    for p in plans:
-        plan_collectives(p, batch, widths, devices)  # validates cuts and sizes
     env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     done = subprocess.run([sys.executable, "-c", _HLO_SCRIPT,
