@@ -663,7 +663,34 @@ COVERED_ELSEWHERE: dict[str, str | list[str]] = {
         _LOCAL + "test_run_local_refuses_every_bad_argument_before_any_rank_starts",
         _LOCAL + "test_multi_rank_run_equals_single_process"],
 }
-EXEMPT: dict[str, str] = {}
+EXEMPT: dict[str, str] = {
+    "parlearn.elsewhere.value.dqn.DQNResult":
+        "a record train() returns; users only read its fields",
+    "parlearn.many_copies.decoding.loop.DecodeResult":
+        "a record decode() returns; users only read its fields",
+    "parlearn.many_copies.dither.regimes.History":
+        "a per-epoch record train() fills; users only read it",
+    "parlearn.serial_chain.duality.TrainResult":
+        "a record duality.train() returns; users only read its fields",
+    "parlearn.serial_chain.local.rules.LocalRun":
+        "a record run_local() returns; users only read its fields",
+    "parlearn.serial_chain.local.rules.TrainResult":
+        "a record local train() returns; users only read its fields",
+    "parlearn.serial_chain.multigrid.solver.MGRITResult":
+        "a record mgrit() returns; users only read its fields",
+    "parlearn.serial_chain.multigrid.solver.ConvergenceWarning":
+        "a warning class mgrit() emits; it takes no arguments of its own",
+    "parlearn.serial_chain.neq.training.NEqRun":
+        "a per-epoch record neq train() fills; users only read it",
+    "parlearn.serial_chain.strads.solver.LassoRun":
+        "a record solve() and the ranks return; users only read its fields",
+    "parlearn.elsewhere.value.backups.TSoftState":
+        "state that the TSoft backup builds and updates itself; users only read it",
+    "parlearn.serial_chain.leapfrog.terms.Tape":
+        "what the forward pass stores for the backward schedules; built only by the library",
+    "parlearn.many_copies.dither.noise.Noise":
+        "built by draw_noise (covered above); its apply() checks x, start and stop itself",
+}
 
 # Public callables whose contract test is still to be written (test_completeness: only shrinks).
 PENDING = [
@@ -679,16 +706,13 @@ PENDING = [
     "parlearn.elsewhere.filters.throughput",
     "parlearn.elsewhere.filters.tracking_error",
     "parlearn.elsewhere.filters.train_dmu",
-    "parlearn.elsewhere.value.backups.TSoftState",
     "parlearn.elsewhere.value.dqn.DQNConfig",
-    "parlearn.elsewhere.value.dqn.DQNResult",
     "parlearn.elsewhere.value.dqn.QNet",
     "parlearn.elsewhere.value.dqn.compare_variants",
     "parlearn.elsewhere.value.dqn.returns_vs_steps",
     "parlearn.elsewhere.value.dqn.train",
     "parlearn.elsewhere.value.speed.bench",
     "parlearn.elsewhere.value.speed.ebu_speed",
-    "parlearn.many_copies.decoding.loop.DecodeResult",
     "parlearn.many_copies.decoding.loop.decode",
     "parlearn.many_copies.decoding.mean_field.auto_tau",
     "parlearn.many_copies.decoding.mean_field.coupling_matrix",
@@ -713,8 +737,6 @@ PENDING = [
     "parlearn.many_copies.dither.gradients.grad_variance",
     "parlearn.many_copies.dither.gradients.parallel_grad",
     "parlearn.many_copies.dither.gradients.sequential_grad",
-    "parlearn.many_copies.dither.noise.Noise",
-    "parlearn.many_copies.dither.regimes.History",
     "parlearn.many_copies.dither.regimes.bench",
     "parlearn.many_copies.dither.regimes.compare_regimes",
     "parlearn.many_copies.dither.regimes.paired_difference",
@@ -774,12 +796,10 @@ PENDING = [
     "parlearn.many_copies.rl.ppo.train_ppo",
     "parlearn.many_copies.rl.throughput.bench",
     "parlearn.many_copies.rl.throughput.env_steps_per_second",
-    "parlearn.serial_chain.duality.TrainResult",
     "parlearn.serial_chain.duality.gap_table",
     "parlearn.serial_chain.duality.train",
     "parlearn.serial_chain.leapfrog.cost.bench",
     "parlearn.serial_chain.leapfrog.schedules.backward",
-    "parlearn.serial_chain.leapfrog.terms.Tape",
     "parlearn.serial_chain.leapfrog.terms.chain_step",
     "parlearn.serial_chain.leapfrog.terms.weight_grads",
     "parlearn.serial_chain.local.cost.bench",
@@ -788,8 +808,6 @@ PENDING = [
     "parlearn.serial_chain.local.net.LocalNet",
     "parlearn.serial_chain.local.net.as_sequential",
     "parlearn.serial_chain.local.net.feedback_angle",
-    "parlearn.serial_chain.local.rules.LocalRun",
-    "parlearn.serial_chain.local.rules.TrainResult",
     "parlearn.serial_chain.local.rules.compare_rules",
     "parlearn.serial_chain.local.rules.local_step",
     "parlearn.serial_chain.local.rules.train",
@@ -802,20 +820,16 @@ PENDING = [
     "parlearn.serial_chain.multigrid.layer_parallel.parameter_grads",
     "parlearn.serial_chain.multigrid.layer_parallel.serial_adjoint",
     "parlearn.serial_chain.multigrid.layer_parallel.train_digits",
-    "parlearn.serial_chain.multigrid.solver.ConvergenceWarning",
-    "parlearn.serial_chain.multigrid.solver.MGRITResult",
     "parlearn.serial_chain.multigrid.solver.mgrit",
     "parlearn.serial_chain.multigrid.solver.residual",
     "parlearn.serial_chain.multigrid.stack.ResidualStack",
     "parlearn.serial_chain.multigrid.stack.conv_tanh",
     "parlearn.serial_chain.multigrid.stack.dense_tanh",
     "parlearn.serial_chain.neq.equilibrium.Equilibrium",
-    "parlearn.serial_chain.neq.training.NEqRun",
     "parlearn.serial_chain.neq.training.bench",
     "parlearn.serial_chain.repurpose.assign_groups",
     "parlearn.serial_chain.repurpose.digits_mlp",
     "parlearn.serial_chain.repurpose.tradeoff",
     "parlearn.serial_chain.strads.cost.bench",
     "parlearn.serial_chain.strads.cost.timed_runs",
-    "parlearn.serial_chain.strads.solver.LassoRun",
 ]
