@@ -91,6 +91,11 @@ def _world():
     return make_world(6, rays=4, seed=0)
 
 
+def _dmu():
+    from parlearn.elsewhere.filters import DMUNet
+    return DMUNet(4, 6, hidden=4, code=3, freqs=2)
+
+
 def _episode(t=3, seed=0):
     g = torch.Generator().manual_seed(seed)
     return {"obs": torch.randn(t, 2, generator=g), "next_obs": torch.randn(t, 2, generator=g),
@@ -635,6 +640,67 @@ CASES: list[Case] = [
                       seed=0),
          ranges={"move": (0, 4), "p_slip": (0.0, 1.0), "seed": (0, None)},
          bad={"world": ["world"], "cell_index": [torch.tensor([0, -1]), torch.tensor([99])]}),
+    Case("parlearn.elsewhere.filters.expected_scans",
+         lambda: dict(walls=_world().walls, cells=_world().free[:3], rays=4, max_range=3.0,
+                      step=0.05),
+         ranges={"rays": (1, None), "max_range": (0.0, None), "step": (0.0, 3.0)},
+         bad={"walls": [torch.zeros(6, 5, dtype=torch.bool), torch.zeros(6, 6)],
+              "cells": [torch.tensor([[0, 6]]), torch.tensor([[-1, 0]]), torch.zeros(3, 2)],
+              "max_range": [0.0], "step": [0.0]},
+         run_good=False),  # legal draws (max_range 1e3, a tiny step) march millions of points
+    Case("parlearn.elsewhere.filters.grid_filter",
+         lambda: dict(world=_world(), moves=[1, 2], scans=_world().scans[:2], p_slip=0.2,
+                      prior=None),
+         ranges={"p_slip": (0.0, 1.0)},
+         bad={"world": ["world"], "moves": [[], [5], [-1, 0], [True, 1], [1.0, 2], 1],
+              "scans": [_world().scans[:1], _world().scans[:2, :3]],
+              "prior": [torch.zeros(len(_world().free), dtype=F64), _t(3),
+                        -torch.ones(len(_world().free), dtype=F64)]},
+         legal={"prior": [None]}),
+    Case("parlearn.elsewhere.filters.particle_filter",
+         lambda: dict(world=_world(), moves=[1, 2], scans=_world().scans[:2], p_slip=0.2,
+                      particles=8, likelihood=None, seed=0),
+         ranges={"p_slip": (0.0, 1.0), "particles": (1, None), "seed": (0, None)},
+         bad={"world": ["world"], "moves": [[], [5], [True, 1]], "likelihood": [3],
+              "scans": [_world().scans[:1]]},
+         legal={"likelihood": [None]}),
+    Case("parlearn.elsewhere.filters.simulate",
+         lambda: dict(world=_world(), steps=3, p_slip=0.2, seed=0),
+         ranges={"steps": (1, None), "p_slip": (0.0, 1.0), "seed": (0, None)},
+         bad={"world": ["world"]}),
+    Case("parlearn.elsewhere.filters.tracking_error",
+         lambda: dict(world=_world(), particles=8, likelihood=None, steps=2, runs=1,
+                      p_slip=0.2, seed=0),
+         ranges={"particles": (1, None), "steps": (1, None), "runs": (1, None),
+                 "p_slip": (0.0, 1.0), "seed": (0, None)},
+         bad={"world": ["world"], "likelihood": [3]}, legal={"likelihood": [None]},
+         run_good=False),
+    Case("parlearn.elsewhere.filters.DMUNet",
+         lambda: dict(rays=4, world_size=6, hidden=4, code=3, freqs=2),
+         ranges={"rays": (1, None), "world_size": (1, None), "hidden": (1, None),
+                 "code": (1, None), "freqs": (1, None)}),
+    Case("parlearn.elsewhere.filters.net_log_likelihood",
+         lambda: dict(net=_dmu(), world=_world(), z=_world().scans[0],
+                      cell_index=torch.tensor([0, 2])),
+         bad={"net": MODEL_BAD, "world": ["world"], "z": [_t(3), _t(4, 1)],
+              "cell_index": [torch.tensor([-1]), torch.tensor([99]), _t(2)]},
+         legal={"z": [NAN_TENSOR]}),
+    Case("parlearn.elsewhere.filters.net_log_likelihood_looped",
+         lambda: dict(net=_dmu(), world=_world(), z=_world().scans[0],
+                      cell_index=torch.tensor([0, 2])),
+         bad={"net": MODEL_BAD, "world": ["world"], "z": [_t(3), _t(4, 1)],
+              "cell_index": [torch.tensor([-1]), torch.tensor([99]), _t(2)]},
+         legal={"z": [NAN_TENSOR]}),
+    Case("parlearn.elsewhere.filters.train_dmu",
+         lambda: dict(world=_world(), steps=1, batch=2, lr=1e-3, hidden=4, seed=0),
+         ranges={"steps": (1, None), "batch": (2, None), "lr": (0.0, None),
+                 "hidden": (1, None), "seed": (0, None)},
+         bad={"world": ["world"], "lr": [0.0]}, run_good=False),
+    Case("parlearn.elsewhere.filters.throughput",
+         lambda: dict(net=_dmu(), world=_world(), sizes=[2], loop_max=2, repeat=1, seed=0),
+         ranges={"loop_max": (0, None), "repeat": (1, None), "seed": (0, None)},
+         bad={"net": MODEL_BAD, "world": ["world"], "sizes": [[], [0], [True], [2.0], 2]},
+         run_good=False),
 ]
 
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
@@ -664,6 +730,8 @@ COVERED_ELSEWHERE: dict[str, str | list[str]] = {
         _LOCAL + "test_multi_rank_run_equals_single_process"],
 }
 EXEMPT: dict[str, str] = {
+    "parlearn.elsewhere.filters.World":
+        "a record make_world builds; every function taking one checks it is a World",
     "parlearn.elsewhere.filters.bench":
         "a bench entry that python -m parlearn.bench runs with its own checked device and quick",
     "parlearn.elsewhere.value.speed.bench":
@@ -722,17 +790,6 @@ EXEMPT: dict[str, str] = {
 
 # Public callables whose contract test is still to be written (test_completeness: only shrinks).
 PENDING = [
-    "parlearn.elsewhere.filters.DMUNet",
-    "parlearn.elsewhere.filters.World",
-    "parlearn.elsewhere.filters.expected_scans",
-    "parlearn.elsewhere.filters.grid_filter",
-    "parlearn.elsewhere.filters.net_log_likelihood",
-    "parlearn.elsewhere.filters.net_log_likelihood_looped",
-    "parlearn.elsewhere.filters.particle_filter",
-    "parlearn.elsewhere.filters.simulate",
-    "parlearn.elsewhere.filters.throughput",
-    "parlearn.elsewhere.filters.tracking_error",
-    "parlearn.elsewhere.filters.train_dmu",
     "parlearn.elsewhere.value.dqn.DQNConfig",
     "parlearn.elsewhere.value.dqn.QNet",
     "parlearn.elsewhere.value.dqn.compare_variants",
