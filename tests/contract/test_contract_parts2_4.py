@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 from harness import NAN_TENSOR, Case, contract_tests
 
@@ -116,6 +117,24 @@ def _mg_g():
     g = torch.zeros(5, 2, 3, dtype=F64)
     g[0] = _t(2, 3)
     return g
+
+
+def _tape():
+    from parlearn.serial_chain.leapfrog.terms import forward
+    x, y = _xy(5)
+    return forward(_deep(), _ce(), x, y)
+
+
+def _fb(feedback="hebbian"):
+    from parlearn.serial_chain.local.net import FeedbackLinear
+    return FeedbackLinear(3, 2, feedback=feedback)
+
+
+def _linear_grads_hold(result, kw):
+    """Linear: dW = delta^T a, db = sum of delta over the batch."""
+    (w, dw), (b, db) = result
+    torch.testing.assert_close(dw, kw["delta"].T @ kw["a"])
+    torch.testing.assert_close(db, kw["delta"].sum(0))
 
 
 def _dmu():
@@ -789,6 +808,65 @@ CASES: list[Case] = [
          lambda: dict(stack=_mg_stack(), states=_mg_states(), lams=_t(5, 2, 3)),
          bad={"stack": MODEL_BAD, "states": [_t(4, 2, 3), _t(5)], "lams": [_t(4, 2, 3)]},
          legal={"states": [NAN_TENSOR], "lams": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.leapfrog.terms.chain_step",
+         lambda: dict(tape=_tape(), l=1, delta=torch.ones_like(_tape().outs[1])),
+         ranges={"l": (0, len(_tape().layers) - 1)},
+         bad={"tape": ["tape", _deep()], "delta": [_t(5, 99), _t(5)]},
+         legal={"delta": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.leapfrog.terms.weight_grads",
+         lambda: dict(layer=torch.nn.Linear(3, 2, dtype=F64), a=_t(5, 3), delta=_t(5, 2)),
+         bad={"layer": ["layer", torch.nn.LSTM(3, 2)], "a": [_t(5, 4), _t(4, 3)],
+              "delta": [_t(5, 3), _t(4, 2)]},
+         legal={"a": [NAN_TENSOR], "delta": [NAN_TENSOR]}, check=_linear_grads_hold),
+    Case("parlearn.serial_chain.leapfrog.schedules.backward",
+         lambda: dict(tape=_tape(), workers=2, mode="leapfrog", accumulate=True,
+                      threads_per_worker=1),
+         ranges={"workers": (1, None), "threads_per_worker": (1, None)},
+         bad={"tape": ["tape", _deep()]}, legal={"threads_per_worker": [None]}),
+    Case("parlearn.serial_chain.local.net.FeedbackLinear",
+         lambda: dict(in_features=3, out_features=2, feedback="hebbian", init="random", seed=0,
+                      dtype=F64),
+         ranges={"in_features": (1, None), "out_features": (1, None), "seed": (0, None)},
+         bad={"dtype": [torch.int64, "float64"]}),
+    Case("parlearn.serial_chain.local.net.LocalNet",
+         lambda: dict(blocks=list(_local_net().blocks), heads=list(_local_net().heads)),
+         bad={"blocks": [[], "b", ["b"]], "heads": [[], list(_local_net().heads)[:1], ["h", "h"]]}),
+    Case("parlearn.serial_chain.local.net.as_sequential", lambda: dict(net=_local_net()),
+         bad={"net": MODEL_BAD}),
+    Case("parlearn.serial_chain.local.net.feedback_angle", lambda: dict(layer=_fb()),
+         bad={"layer": MODEL_BAD},
+         check=lambda r, kw: None if 0.0 <= r <= 180.0 else pytest.fail(f"angle {r}")),
+    Case("parlearn.serial_chain.local.rules.local_step",
+         lambda: dict(block=_local_net().blocks[0], head=_local_net().heads[0], x=_xy()[0],
+                      y=_xy()[1], lr=0.1, weight_decay=0.0, critic=False),
+         ranges={"weight_decay": (0.0, None)},
+         bad={"block": ["block"], "head": ["head"], "lr": POSITIVE,
+              "x": [_xy()[0][0, 0]], "y": [_xy(4)[1], _t(5)]},
+         legal={"x": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.local.rules.train",
+         lambda: dict(net=_local_net(), x=_xy()[0], y=_xy()[1], rule="backprop", epochs=1,
+                      batch=5, lr=0.1, weight_decay=0.0, seed=0, order="sequential",
+                      test=None),
+         ranges={"epochs": (1, None), "batch": (1, None), "weight_decay": (0.0, None),
+                 "seed": (0, None)},
+         bad={"net": MODEL_BAD, "rule": ["hebbian"], "lr": POSITIVE, "y": [_xy(4)[1]],
+              "test": [_xy()[0], (_xy()[0], _xy(4)[1]), (_t(5, 4), _xy()[1])]},
+         legal={"test": [None], "x": [NAN_TENSOR]}, run_good=False),
+    Case("parlearn.serial_chain.local.rules.compare_rules",
+         lambda: dict(x=_xy()[0], y=_xy()[1], test=_xy(seed=1), widths=[3, 4, 4], blocks=2,
+                      rules=("backprop",), seeds=(0,), epochs=1, batch=5, lr=0.1,
+                      weight_decay=0.0, dtype=F64, progress=None),
+         ranges={"blocks": (1, 2), "epochs": (1, None), "batch": (1, None),
+                 "weight_decay": (0.0, None)},
+         bad={"rules": [("nope",), "backprop"], "seeds": [(), (-1,), (True,)], "lr": POSITIVE,
+              "widths": BAD_WIDTHS, "dtype": [torch.int64], "progress": [3],
+              "test": [_xy()[0]]},
+         legal={"progress": [None], "x": [NAN_TENSOR]}, run_good=False),
+    Case("parlearn.serial_chain.local.cost.block_costs",
+         lambda: dict(net=_local_net(), x=_xy()[0], y=_xy()[1], repeat=1),
+         ranges={"repeat": (1, None)},
+         bad={"net": MODEL_BAD, "x": [_t(5)], "y": [_xy(4)[1], _t(5)]},
+         legal={"x": [NAN_TENSOR]}, run_good=False),
 ]
 
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
@@ -962,17 +1040,6 @@ PENDING = [
     "parlearn.many_copies.rl.throughput.env_steps_per_second",
     "parlearn.serial_chain.duality.gap_table",
     "parlearn.serial_chain.duality.train",
-    "parlearn.serial_chain.leapfrog.schedules.backward",
-    "parlearn.serial_chain.leapfrog.terms.chain_step",
-    "parlearn.serial_chain.leapfrog.terms.weight_grads",
-    "parlearn.serial_chain.local.cost.block_costs",
-    "parlearn.serial_chain.local.net.FeedbackLinear",
-    "parlearn.serial_chain.local.net.LocalNet",
-    "parlearn.serial_chain.local.net.as_sequential",
-    "parlearn.serial_chain.local.net.feedback_angle",
-    "parlearn.serial_chain.local.rules.compare_rules",
-    "parlearn.serial_chain.local.rules.local_step",
-    "parlearn.serial_chain.local.rules.train",
     "parlearn.serial_chain.multigrid.cost.calibrate",
     "parlearn.serial_chain.multigrid.layer_parallel.train_digits",
     "parlearn.serial_chain.neq.equilibrium.Equilibrium",
