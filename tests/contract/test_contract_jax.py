@@ -1,0 +1,130 @@
+"""The argument contract of the Parts 2-4 functions that start JAX (or live beside them):
+qd, rl, eigengame, and decoding's mean-field kernel (see harness.py).
+
+Starting JAX starts threads, and a later fork of this process (gloo ranks) would then warn
+or deadlock, so every test here runs in a child pytest (``fresh_process``, tests/conftest.py).
+This module's top level is still imported by the main process to collect it (and by
+test_completeness.py): it imports no JAX, and its ``good()`` builders make NumPy arrays and
+Python numbers only, never JAX arrays.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from harness import Case, contract_tests
+
+pytestmark = pytest.mark.fresh_process
+
+
+def _x(n=8, d=3, seed=0):
+    """A seeded float64 data matrix (n, d)."""
+    return np.random.default_rng(seed).standard_normal((n, d))
+
+
+def _v(d=3, k=2, seed=1):
+    return np.random.default_rng(seed).standard_normal((d, k))
+
+
+def _nan(a):
+    a = a.copy()
+    a.flat[0] = math.nan
+    return a
+
+
+def _cosines_in_unit(result, kw):
+    assert result.shape == kw["v"].shape[-1:] and np.all((result >= 0) & (result <= 1 + 1e-12))
+
+
+def _orthonormal_top(result, kw):
+    """The eigenvectors are orthonormal, decreasing, and satisfy M u = lambda u."""
+    lam, u = result
+    m = kw["x"].T @ kw["x"] / kw["x"].shape[0]
+    np.testing.assert_allclose(u.T @ u, np.eye(kw["k"]), atol=1e-12)
+    np.testing.assert_allclose(m @ u, u * lam, atol=1e-12)
+    assert np.all(np.diff(lam) <= 0)
+
+
+OPEN_BOTH = [0.0, 1.0, -0.5, 1.5]
+BAD_X = [np.zeros((8, 3), dtype=np.int64), _nan(_x()), _x()[0], np.zeros((0, 3))]
+
+CASES: list[Case] = [
+    Case("parlearn.many_copies.eigengame.inputs.synthetic_data",
+         lambda: dict(n=8, d=3, decay=0.7, seed=0),
+         ranges={"n": (2, None), "d": (1, None), "seed": (0, None)},
+         bad={"decay": OPEN_BOTH}),
+    Case("parlearn.many_copies.eigengame.inputs.init_vectors",
+         lambda: dict(d=3, k=2, seed=0),
+         ranges={"d": (2, None), "k": (1, 3), "seed": (0, None)},
+         check=lambda r, kw: np.testing.assert_allclose(np.linalg.norm(r, axis=0), 1.0)),
+    Case("parlearn.many_copies.eigengame.inputs.top_eigenvectors",
+         lambda: dict(x=_x(), k=2), ranges={"k": (1, 3)}, bad={"x": BAD_X},
+         check=_orthonormal_top),
+    Case("parlearn.many_copies.eigengame.inputs.abs_cosines",
+         lambda: dict(v=_v(), u=_v(seed=2)),
+         bad={"v": [_v(4, 2), _v()[0], _nan(_v()), np.zeros((3, 2), dtype=np.int64)],
+              "u": [_v(3, 3), _nan(_v())]},
+         check=_cosines_in_unit),
+    Case("parlearn.many_copies.eigengame.inputs.longest_streak",
+         lambda: dict(v=_v(), u=_v(seed=2), angle=0.3),
+         bad={"v": [_v(4, 2), _nan(_v())], "u": [_v(3, 3)],
+              "angle": [0.0, -0.1, math.pi / 2 + 1e-9, 10.0]}),
+]
+
+test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
+
+COVERED_ELSEWHERE: dict[str, str | list[str]] = {}
+EXEMPT: dict[str, str] = {}
+
+# Public callables whose contract test is still to be written (test_completeness: only shrinks).
+PENDING = [
+    "parlearn.many_copies.decoding.mean_field.auto_tau",
+    "parlearn.many_copies.decoding.mean_field.coupling_matrix",
+    "parlearn.many_copies.decoding.mean_field.mean_field_commit",
+    "parlearn.many_copies.decoding.mean_field.overlap_coupling",
+    "parlearn.many_copies.decoding.mean_field.overlap_coupling_dense",
+    "parlearn.many_copies.eigengame.devices.collective_bytes",
+    "parlearn.many_copies.eigengame.devices.compare_sharded",
+    "parlearn.many_copies.eigengame.devices.run_with_devices",
+    "parlearn.many_copies.eigengame.game.direction",
+    "parlearn.many_copies.eigengame.game.minibatch_bias",
+    "parlearn.many_copies.eigengame.game.update",
+    "parlearn.many_copies.eigengame.speed.sharded_throughput",
+    "parlearn.many_copies.eigengame.speed.throughput",
+    "parlearn.many_copies.eigengame.training.fit",
+    "parlearn.many_copies.eigengame.training.fit_sharded",
+    "parlearn.many_copies.qd.qdax_engine.qdax_map_elites",
+    "parlearn.many_copies.qd.search.Archive",
+    "parlearn.many_copies.qd.search.MapElitesResult",
+    "parlearn.many_copies.qd.search.Task",
+    "parlearn.many_copies.qd.search.arm_task",
+    "parlearn.many_copies.qd.search.cell_index",
+    "parlearn.many_copies.qd.search.empty_archive",
+    "parlearn.many_copies.qd.search.insert",
+    "parlearn.many_copies.qd.search.insert_loop",
+    "parlearn.many_copies.qd.search.isoline_variation",
+    "parlearn.many_copies.qd.search.map_elites",
+    "parlearn.many_copies.qd.search.qd_metrics",
+    "parlearn.many_copies.qd.search.rastrigin_task",
+    "parlearn.many_copies.qd.search.score_batch",
+    "parlearn.many_copies.qd.search.score_loop",
+    "parlearn.many_copies.qd.throughput.evals_per_second",
+    "parlearn.many_copies.rl.advantages.gae",
+    "parlearn.many_copies.rl.advantages.gae_loop",
+    "parlearn.many_copies.rl.envs.Env",
+    "parlearn.many_copies.rl.envs.batch_reset",
+    "parlearn.many_copies.rl.envs.batch_step",
+    "parlearn.many_copies.rl.envs.cartpole",
+    "parlearn.many_copies.rl.envs.gymnax_env",
+    "parlearn.many_copies.rl.envs.step_loop",
+    "parlearn.many_copies.rl.policy.init_policy",
+    "parlearn.many_copies.rl.policy.policy_logits_value",
+    "parlearn.many_copies.rl.ppo.PPOConfig",
+    "parlearn.many_copies.rl.ppo.PPOResult",
+    "parlearn.many_copies.rl.ppo.evaluate",
+    "parlearn.many_copies.rl.ppo.time_to_target",
+    "parlearn.many_copies.rl.ppo.train_ppo",
+    "parlearn.many_copies.rl.throughput.env_steps_per_second",
+]
