@@ -137,6 +137,28 @@ def _linear_grads_hold(result, kw):
     torch.testing.assert_close(db, kw["delta"].sum(0))
 
 
+def _phrase():
+    from parlearn.many_copies.diffusion import PairedPhrase
+    return PairedPhrase(slots=2, m=2)
+
+
+def _tiny_mdlm():
+    from parlearn.many_copies.diffusion import TinyMDLM
+    lang = _phrase()
+    return TinyMDLM(lang.vocab, lang.length, width=8, layers=1, heads=2)
+
+
+def _noise(copies=2):
+    from parlearn.many_copies.dither.noise import draw_noise
+    return draw_noise(_xy()[0], copies, dither="uniform", scale=0.1, generator=_gen())
+
+
+def _mdlm_batch():
+    x = torch.tensor([[0, 1, 2], [2, 1, 0]])
+    return dict(logits=_t(2, 3, 4), x=x, mask=torch.tensor([[True, False, True]] * 2),
+                t=torch.tensor([[0.5], [1.0]], dtype=F64))
+
+
 def _dmu():
     from parlearn.elsewhere.filters import DMUNet
     return DMUNet(4, 6, hidden=4, code=3, freqs=2)
@@ -867,6 +889,74 @@ CASES: list[Case] = [
          ranges={"repeat": (1, None)},
          bad={"net": MODEL_BAD, "x": [_t(5)], "y": [_xy(4)[1], _t(5)]},
          legal={"x": [NAN_TENSOR]}, run_good=False),
+    Case("parlearn.many_copies.decoding.strategies.confidence",
+         lambda: dict(probs=torch.softmax(_t(2, 3, 4), -1),
+                      masked=torch.tensor([[True, False, True]] * 2)),
+         bad={"probs": [_t(4), torch.ones(2, 3, 4, dtype=torch.long)],
+              "masked": [torch.ones(2, 3), torch.ones(2, 4, dtype=torch.bool)]},
+         legal={"probs": [NAN_TENSOR]},
+         check=lambda r, kw: torch.testing.assert_close(
+             r[kw["masked"]], kw["probs"].max(-1).values[kw["masked"]])),
+    Case("parlearn.many_copies.diffusion.mdlm_corrupt",
+         lambda: dict(x=torch.tensor([[0, 1, 2], [2, 1, 0]]), mask_id=3, generator=_gen()),
+         ranges={"mask_id": (0, None)},
+         bad={"x": [_t(2, 3), torch.arange(3)], "generator": [0, "g"]}),
+    Case("parlearn.many_copies.diffusion.mdlm_loss", _mdlm_batch,
+         bad={"logits": [_t(2, 3), _t(2, 3, 4).long()],
+              "x": [torch.tensor([[0, 1, 4], [2, 1, 0]]), torch.tensor([[0, -1, 2], [2, 1, 0]]),
+                    torch.zeros(2, 4, dtype=torch.long), _t(2, 3)],
+              "mask": [torch.ones(2, 3), torch.ones(2, 4, dtype=torch.bool)],
+              "t": [torch.zeros(2, 1, dtype=F64), torch.full((2, 1), 1.5, dtype=F64), _t(2)]},
+         legal={"logits": [NAN_TENSOR]}),
+    Case("parlearn.many_copies.diffusion.TinyMDLM",
+         lambda: dict(vocab=5, length=3, width=8, layers=1, heads=2, seed=0),
+         ranges={"vocab": (1, None), "length": (1, None), "layers": (1, None), "seed": (0, None)},
+         bad={"width": [0, 7, -8], "heads": [0, 3]}),
+    Case("parlearn.many_copies.diffusion.PairedPhrase",
+         lambda: dict(slots=3, m=2, shared=False),
+         ranges={"slots": (1, None), "m": (2, None)}),
+    Case("parlearn.many_copies.diffusion.GroupLanguage",
+         lambda: dict(groups=2, size=2, m=3, shared=False, layout="near", peak=None),
+         ranges={"groups": (1, None), "size": (2, None), "m": (2, None)},
+         bad={"peak": [0.2, 1.0, 1.5]}, legal={"peak": [None]}),
+    Case("parlearn.many_copies.diffusion.conditional_distance",
+         lambda: dict(model=_tiny_mdlm(), lang=_phrase(), n=4, seed=1),
+         ranges={"n": (1, None), "seed": (0, None)},
+         bad={"model": ["model"], "lang": ["lang", 3]}, run_good=False),
+    Case("parlearn.many_copies.diffusion.train_mdlm",
+         lambda: dict(lang=_phrase(), steps=1, batch=2, lr=1e-3, width=8, seed=0,
+                      device="cpu", progress=False),
+         ranges={"steps": (1, None), "batch": (1, None), "seed": (0, None)},
+         bad={"lang": ["lang"], "lr": POSITIVE, "width": [0, 3], "progress": [3, "yes"]},
+         skip={"device": "any device torch accepts"}, run_good=False),
+    Case("parlearn.many_copies.dither.demodulation.relu_spectrum",
+         lambda: dict(offset=0.0, amplitude=1.0, cycles=2, samples=16, noise="uniform",
+                      scale=0.5, copies=2, seed=0),
+         ranges={"cycles": (1, 2), "samples": (16, None), "copies": (1, None),
+                 "seed": (0, None)},
+         bad={"amplitude": [0.0, -1.0], "scale": [0.0, -0.5], "noise": ["pink"]}),
+    Case("parlearn.many_copies.dither.gradients.parallel_grad",
+         lambda: dict(model=_neq_net(), loss_fn=_ce(), x=_xy()[0], y=_xy()[1], copies=2,
+                      dither="uniform", scale=0.1, dropout=None, generator=_gen(), noise=None,
+                      max_rows=16384),
+         ranges={"copies": (1, None), "max_rows": (1, None)},
+         bad={"model": ["model"], "loss_fn": ["ce"], "y": [_xy(4)[1]],
+              "scale": [0.0, -0.1], "dropout": [-0.1, 1.0], "generator": [0, "g"],
+              "noise": ["n", _noise(3)]},
+         legal={"dropout": [None], "generator": [None], "noise": [None], "x": [NAN_TENSOR]}),
+    Case("parlearn.many_copies.dither.gradients.sequential_grad",
+         lambda: dict(model=_neq_net(), loss_fn=_ce(), x=_xy()[0], y=_xy()[1], noise=_noise()),
+         bad={"model": ["model"], "loss_fn": ["ce"], "y": [_xy(4)[1]], "x": [_t(4, 3)],
+              "noise": ["n", None]},
+         legal={"x": [NAN_TENSOR]}),
+    Case("parlearn.many_copies.dither.gradients.grad_variance",
+         lambda: dict(model=_neq_net(), loss_fn=_ce(), x=_xy()[0], y=_xy()[1], copies=2,
+                      draws=2, dither="uniform", scale=0.1, dropout=None, seed=0, threads=1),
+         ranges={"copies": (1, None), "draws": (2, None), "seed": (0, None),
+                 "threads": (1, None)},
+         bad={"model": ["model"], "loss_fn": ["ce"], "y": [_xy(4)[1]],
+              "scale": [0.0, -0.1], "dropout": [-0.1, 1.0]},
+         legal={"dropout": [None], "threads": [None], "x": [NAN_TENSOR]}, run_good=False),
 ]
 
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
@@ -967,18 +1057,6 @@ PENDING = [
     "parlearn.many_copies.decoding.measure.family_table",
     "parlearn.many_copies.decoding.measure.format_family_table",
     "parlearn.many_copies.decoding.measure.sweep",
-    "parlearn.many_copies.decoding.strategies.confidence",
-    "parlearn.many_copies.diffusion.GroupLanguage",
-    "parlearn.many_copies.diffusion.PairedPhrase",
-    "parlearn.many_copies.diffusion.TinyMDLM",
-    "parlearn.many_copies.diffusion.conditional_distance",
-    "parlearn.many_copies.diffusion.mdlm_corrupt",
-    "parlearn.many_copies.diffusion.mdlm_loss",
-    "parlearn.many_copies.diffusion.train_mdlm",
-    "parlearn.many_copies.dither.demodulation.relu_spectrum",
-    "parlearn.many_copies.dither.gradients.grad_variance",
-    "parlearn.many_copies.dither.gradients.parallel_grad",
-    "parlearn.many_copies.dither.gradients.sequential_grad",
     "parlearn.many_copies.dither.regimes.compare_regimes",
     "parlearn.many_copies.dither.regimes.paired_difference",
     "parlearn.many_copies.dither.regimes.summarise",
