@@ -34,6 +34,11 @@ def _nan(a):
     return a
 
 
+def _dqn_config():
+    from parlearn.elsewhere.value.dqn import DQNConfig
+    return DQNConfig(env_steps=40, num_envs=2, max_steps=10, hidden=4, batch=4, learn_start=8)
+
+
 def _cosines_in_unit(result, kw):
     assert result.shape == kw["v"].shape[-1:] and np.all((result >= 0) & (result <= 1 + 1e-12))
 
@@ -71,6 +76,21 @@ CASES: list[Case] = [
          lambda: dict(v=_v(), u=_v(seed=2), angle=0.3),
          bad={"v": [_v(4, 2), _nan(_v())], "u": [_v(3, 3)],
               "angle": [0.0, -0.1, math.pi / 2 + 1e-9, 10.0]}),
+
+    # DQN steps parlearn.rl's cart-pole, a JAX environment: runs too long for run_good,
+    # but every refusal comes before JAX starts.
+    Case("parlearn.elsewhere.value.dqn.train",
+         lambda: dict(config=_dqn_config(), seed=0, progress=None, threads=1),
+         ranges={"seed": (0, None), "threads": (1, None)},
+         bad={"config": ["dqn", None], "progress": [3]},
+         legal={"progress": [None], "threads": [None]}, run_good=False),
+    Case("parlearn.elsewhere.value.dqn.compare_variants",
+         lambda: dict(variants=["dqn"], seeds=[0], config=_dqn_config(), progress=None,
+                      threads=1),
+         ranges={"threads": (1, None)},
+         bad={"variants": [[], ["nope"], "dqn", [True]], "seeds": [[], [-1], [True], 0],
+              "config": ["dqn"], "progress": [3]},
+         legal={"config": [None], "progress": [None], "threads": [None]}, run_good=False),
 ]
 
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)

@@ -159,6 +159,12 @@ def _mdlm_batch():
                 t=torch.tensor([[0.5], [1.0]], dtype=F64))
 
 
+def _dqn_results(steps=(100, 100)):
+    from parlearn.elsewhere.value.dqn import DQNConfig, DQNResult
+    return [DQNResult(DQNConfig(env_steps=n), seed=i, returns=[1.0, 3.0], end_steps=[10, 90])
+            for i, n in enumerate(steps)]
+
+
 def _dmu():
     from parlearn.elsewhere.filters import DMUNet
     return DMUNet(4, 6, hidden=4, code=3, freqs=2)
@@ -957,6 +963,32 @@ CASES: list[Case] = [
          bad={"model": ["model"], "loss_fn": ["ce"], "y": [_xy(4)[1]],
               "scale": [0.0, -0.1], "dropout": [-0.1, 1.0]},
          legal={"dropout": [None], "threads": [None], "x": [NAN_TENSOR]}, run_good=False),
+    Case("parlearn.elsewhere.value.dqn.DQNConfig",
+         lambda: dict(variant="dqn", env_steps=100, num_envs=2, max_steps=20, hidden=4,
+                      lr=1e-3, gamma=0.99, batch=8, learn_start=10, eps_end=0.05, tau=0.02,
+                      beta=0.5, ebu_episodes=2, ls_every=10, ls_size=50, ls_lam=1.0, nu=1.0),
+         ranges={"env_steps": (1, None), "num_envs": (1, None), "max_steps": (1, None),
+                 "hidden": (1, None), "gamma": (0.0, 1.0), "batch": (1, None),
+                 "learn_start": (0, None), "eps_end": (0.0, 1.0), "beta": (0.0, 1.0),
+                 "ebu_episodes": (1, None), "ls_every": (1, None), "ls_size": (1, None)},
+         bad={"lr": POSITIVE, "tau": OPEN_BOTH, "ls_lam": POSITIVE, "nu": POSITIVE},
+         legal={"nu": [math.inf]}),
+    Case("parlearn.elsewhere.value.dqn.QNet",
+         lambda: dict(obs_dim=4, n_actions=2, hidden=3, generator=_gen()),
+         ranges={"obs_dim": (1, None), "n_actions": (1, None), "hidden": (1, None)},
+         bad={"generator": [0, "g", None]}),
+    Case("parlearn.elsewhere.value.dqn.returns_vs_steps",
+         lambda: dict(results=_dqn_results(), bins=4), ranges={"bins": (1, None)},
+         bad={"results": [[], "r", [3], _dqn_results((100, 200))]},
+         check=lambda r, kw: np.testing.assert_allclose(
+             r["mean"], [1.0, np.nan, np.nan, 3.0][:kw["bins"]]) if kw["bins"] == 4 else None),
+    Case("parlearn.elsewhere.value.speed.ebu_speed",
+         lambda: dict(episodes=[1, 2], length=4, repeat=1, seed=0, beta=0.5, gamma=0.9,
+                      threads=1),
+         ranges={"length": (2, None), "repeat": (1, None), "seed": (0, None),
+                 "beta": (0.0, 1.0), "gamma": (0.0, 1.0), "threads": (1, None)},
+         bad={"episodes": [[], [0], [True], 2, "12"]}, legal={"threads": [None]},
+         run_good=False),
 ]
 
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
@@ -1046,12 +1078,6 @@ EXEMPT: dict[str, str] = {
 
 # Public callables whose contract test is still to be written (test_completeness: only shrinks).
 PENDING = [
-    "parlearn.elsewhere.value.dqn.DQNConfig",
-    "parlearn.elsewhere.value.dqn.QNet",
-    "parlearn.elsewhere.value.dqn.compare_variants",
-    "parlearn.elsewhere.value.dqn.returns_vs_steps",
-    "parlearn.elsewhere.value.dqn.train",
-    "parlearn.elsewhere.value.speed.ebu_speed",
     "parlearn.many_copies.decoding.loop.decode",
     "parlearn.many_copies.decoding.measure.best_setting",
     "parlearn.many_copies.decoding.measure.family_table",
