@@ -165,6 +165,26 @@ def _dqn_results(steps=(100, 100)):
             for i, n in enumerate(steps)]
 
 
+def _histories():
+    from parlearn.many_copies.dither.regimes import History
+    return {"a": [History("a", test_acc=[0.5, 0.9]), History("a", test_acc=[0.8])],
+            "b": [History("b", test_acc=[0.7]), History("b", test_acc=[0.6])]}
+
+
+def _sweep_rows():
+    from parlearn.many_copies.decoding.loop import DecodeResult
+    def res(p):
+        return DecodeResult(torch.zeros(2, 3, dtype=torch.long), torch.tensor([p, p]),
+                            torch.ones(2, 3, dtype=torch.bool))
+    return [({"tau": 0.1}, res(2), 0.995), ({"tau": 0.5}, res(1), 0.9)]
+
+
+def _family_row():
+    return {"language": "pairs", "length": 8, "threshold_tau": 0.2, "threshold_passes": 3.0,
+            "mean_field_passes": 2.5, "mean_field_validity": 0.99, "half": True,
+            "vs_threshold": True}
+
+
 def _dmu():
     from parlearn.elsewhere.filters import DMUNet
     return DMUNet(4, 6, hidden=4, code=3, freqs=2)
@@ -989,6 +1009,21 @@ CASES: list[Case] = [
                  "beta": (0.0, 1.0), "gamma": (0.0, 1.0), "threads": (1, None)},
          bad={"episodes": [[], [0], [True], 2, "12"]}, legal={"threads": [None]},
          run_good=False),
+    Case("parlearn.many_copies.dither.regimes.summarise", lambda: dict(results=_histories()),
+         bad={"results": [{}, [], {"a": []}, {"a": ["h"]}]},
+         check=lambda r, kw: (math.isclose(r["a"]["mean"], 0.85)
+                              or pytest.fail(f"mean {r['a']['mean']}"))),
+    Case("parlearn.many_copies.dither.regimes.paired_difference",
+         lambda: dict(results=_histories(), a="a", b="b"),
+         bad={"results": [{}, {"a": []}], "a": ["c"], "b": ["c"]},
+         check=lambda r, kw: (math.isclose(r["mean"], 0.2) and r["n"] == 2
+                              or pytest.fail(f"{r}"))),
+    Case("parlearn.many_copies.decoding.measure.best_setting",
+         lambda: dict(rows=_sweep_rows(), target=0.99), ranges={"target": (0.0, 1.0)},
+         bad={"rows": [[], "r", [(1, 2, 3)], [({}, _sweep_rows()[0][1], 1.5)]]}),
+    Case("parlearn.many_copies.decoding.measure.format_family_table",
+         lambda: dict(rows=[_family_row()]),
+         bad={"rows": ["r", [{}], [3]]}),
 ]
 
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
@@ -1079,13 +1114,9 @@ EXEMPT: dict[str, str] = {
 # Public callables whose contract test is still to be written (test_completeness: only shrinks).
 PENDING = [
     "parlearn.many_copies.decoding.loop.decode",
-    "parlearn.many_copies.decoding.measure.best_setting",
     "parlearn.many_copies.decoding.measure.family_table",
-    "parlearn.many_copies.decoding.measure.format_family_table",
     "parlearn.many_copies.decoding.measure.sweep",
     "parlearn.many_copies.dither.regimes.compare_regimes",
-    "parlearn.many_copies.dither.regimes.paired_difference",
-    "parlearn.many_copies.dither.regimes.summarise",
     "parlearn.many_copies.dither.regimes.throughput",
     "parlearn.many_copies.dither.regimes.train",
     "parlearn.many_copies.replicas.runs.instant_learning",

@@ -45,8 +45,14 @@ def best_setting(rows: list[tuple[dict, DecodeResult, float]],
                  target: float = 0.99) -> tuple[dict, DecodeResult, float]:
     """Among :func:`sweep` rows, the fewest passes reaching ``target`` validity (or,
     if none does, the most valid)."""
-    if not rows:
-        raise ValueError("rows must hold at least one sweep row")
+    if not isinstance(rows, list | tuple) or not rows:
+        raise ValueError("rows must be a list holding at least one sweep row")
+    for r in rows:
+        if not (isinstance(r, tuple | list) and len(r) == 3 and isinstance(r[0], dict)
+                and isinstance(r[1], DecodeResult)):
+            raise TypeError(f"rows must hold sweep's (setting, DecodeResult, validity) rows, "
+                            f"got {r!r:.80}")
+        check_float("rows' validity", r[2], lo=0, hi=1)
     check_float("target", target, lo=0, hi=1)
     return min(rows, key=lambda r: (r[2] < target, r[1].mean_passes if r[2] >= target else -r[2]))
 
@@ -111,6 +117,11 @@ def family_table(languages=None, *, batch: int = 128, seed: int = 0, target: flo
 
 def format_family_table(rows: list[dict]) -> str:
     """:func:`family_table` rows as text."""
+    keys = ("language", "length", "threshold_tau", "threshold_passes", "mean_field_passes",
+            "mean_field_validity", "half", "vs_threshold")
+    if not isinstance(rows, list | tuple) or not all(
+            isinstance(r, dict) and all(k in r for k in keys) for r in rows):
+        raise TypeError(f"rows must be a list of family_table rows (dicts with {list(keys)})")
     head = (f"{'language':32s} {'L':>3s} {'threshold best':>16s} {'mean field':>17s} "
             f"{'<= L/2':>6s} {'<= thr+1':>8s}")
     lines = [head, "-" * len(head)]
