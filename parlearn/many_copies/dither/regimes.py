@@ -304,8 +304,9 @@ def paired_difference(results: dict[str, list[History]], a: str, b: str) -> dict
     interval excludes 0, else ``"not distinguishable"`` (always so with one seed).
     """
     _check_results(results)
-    check_choice("a", a, list(results))
-    check_choice("b", b, list(results))
+    for arg, name in (("a", a), ("b", b)):
+        if not isinstance(name, str) or name not in results:
+            raise ValueError(f"{arg}={name!r} is not one of the regimes {list(results)}")
     if len(results[a]) != len(results[b]):
         raise ValueError(f"{a!r} and {b!r} were run with different numbers of seeds")
     d = [ha.test_acc[-1] - hb.test_acc[-1] for ha, hb in zip(results[a], results[b],
