@@ -185,6 +185,12 @@ def _family_row():
             "vs_threshold": True}
 
 
+def _split():
+    from parlearn.core.datasets import Split
+    (xa, ya), (xb, yb) = _xy(6), _xy(4, seed=1)
+    return Split(xa, ya, xb, yb, n_classes=2)
+
+
 def _dmu():
     from parlearn.elsewhere.filters import DMUNet
     return DMUNet(4, 6, hidden=4, code=3, freqs=2)
@@ -1024,6 +1030,34 @@ CASES: list[Case] = [
     Case("parlearn.many_copies.decoding.measure.format_family_table",
          lambda: dict(rows=[_family_row()]),
          bad={"rows": ["r", [{}], [3]]}),
+    Case("parlearn.many_copies.dither.regimes.train",
+         lambda: dict(regime="batch", data=_split(), epochs=1, lr=0.05, hidden=3, batch_size=3,
+                      copies=None, dither=None, scale=0.0, dropout=None, seed=0,
+                      progress=False),
+         ranges={"epochs": (1, None), "hidden": (1, None), "batch_size": (1, None),
+                 "seed": (0, None)},
+         bad={"regime": ["batches"], "data": ["d", _xy()], "lr": POSITIVE, "copies": [4],
+              "dither": ["pink"], "scale": [-0.1, 0.3], "dropout": [-0.1, 1.0]},
+         legal={"copies": [None], "dither": [None], "dropout": [None]}),
+    Case("parlearn.many_copies.dither.regimes.compare_regimes",
+         lambda: dict(data=_split(), epochs=1, batch_size=3, copies=2, noises=None, lr=0.05,
+                      hidden=3, seeds=(0,), progress=None, threads=1),
+         ranges={"epochs": (1, None), "batch_size": (1, None), "copies": (1, None),
+                 "hidden": (1, None), "threads": (1, None)},
+         bad={"data": ["d"], "noises": [{}, {"x": {"dither": "pink", "scale": 0.1}},
+                                        {"x": {"scale": 0.1}}, {"x": {"colour": 1}}, "n"],
+              "lr": POSITIVE, "seeds": [(), (-1,), (True,)], "progress": [3]},
+         legal={"noises": [None], "progress": [None], "threads": [None]}, run_good=False),
+    Case("parlearn.many_copies.dither.regimes.throughput",
+         lambda: dict(model=_neq_net(), loss_fn=_ce(), x=_xy()[0], y=_xy()[1],
+                      copies_list=[1, 2], dither="gaussian", scale=0.1, dropout=None, repeat=1,
+                      device="cpu", threads=1),
+         ranges={"repeat": (1, None), "threads": (1, None)},
+         bad={"model": ["model"], "loss_fn": ["ce"], "y": [_xy(4)[1]],
+              "copies_list": [[], [0], [True], 2, [2.0]], "dither": ["pink"],
+              "scale": [0.0, -0.1], "dropout": [-0.1, 1.0]},
+         legal={"dither": [None], "dropout": [None], "threads": [None], "x": [NAN_TENSOR]},
+         skip={"device": "any device torch accepts"}, run_good=False),
 ]
 
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
@@ -1116,9 +1150,6 @@ PENDING = [
     "parlearn.many_copies.decoding.loop.decode",
     "parlearn.many_copies.decoding.measure.family_table",
     "parlearn.many_copies.decoding.measure.sweep",
-    "parlearn.many_copies.dither.regimes.compare_regimes",
-    "parlearn.many_copies.dither.regimes.throughput",
-    "parlearn.many_copies.dither.regimes.train",
     "parlearn.many_copies.replicas.runs.instant_learning",
     "parlearn.many_copies.replicas.runs.throughput",
     "parlearn.serial_chain.duality.gap_table",

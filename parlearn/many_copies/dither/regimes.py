@@ -244,7 +244,10 @@ def compare_regimes(data, *, epochs: int, batch_size: int = 16, copies: int = 16
         if bad:
             raise ValueError(f"noises[{label!r}] has unknown keys {sorted(bad)}; use dither, "
                              "scale, dropout")
-        _check_noise(1, kw.get("dither"), kw.get("scale", 0.0), kw.get("dropout"))
+        try:
+            _check_noise(1, kw.get("dither"), kw.get("scale", 0.0), kw.get("dropout"))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"noises[{label!r}]: {e}") from None
         if kw.get("dither") is None and not kw.get("dropout"):
             raise ValueError(f"noises[{label!r}] adds no noise")
     check_float("lr", lr, lo=0.0, lo_open=True)
