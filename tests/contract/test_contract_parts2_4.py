@@ -191,6 +191,11 @@ def _split():
     return Split(xa, ya, xb, yb, n_classes=2)
 
 
+def _energy():
+    from parlearn.serial_chain.repurpose import calibration_energy
+    return calibration_energy(_relu_net(), _xy()[0])
+
+
 def _dmu():
     from parlearn.elsewhere.filters import DMUNet
     return DMUNet(4, 6, hidden=4, code=3, freqs=2)
@@ -1058,6 +1063,24 @@ CASES: list[Case] = [
               "scale": [0.0, -0.1], "dropout": [-0.1, 1.0]},
          legal={"dither": [None], "dropout": [None], "threads": [None], "x": [NAN_TENSOR]},
          skip={"device": "any device torch accepts"}, run_good=False),
+    Case("parlearn.serial_chain.repurpose.assign_groups",
+         lambda: dict(net=_relu_net(), k=2, energy=_energy(), sweeps=1, restarts=2, seed=0),
+         ranges={"sweeps": (0, None), "restarts": (1, None), "seed": (0, None)},
+         bad={"net": MODEL_BAD, "k": [3, 0], "energy": [None, _energy()[:2], "e",
+                                                        [-e for e in _energy()]]},
+         check=lambda r, kw: None if all(b <= a + 1e-12 for a, b in zip(r[1], r[1][1:],
+                                                                         strict=False))
+         else pytest.fail(f"off-block share rose: {r[1]}")),
+    Case("parlearn.serial_chain.repurpose.tradeoff",
+         lambda: dict(net=_relu_net(), data=_split(), k=2, prunes=[0.0, 0.5],
+                      permute_first=True, refit=True, sweeps=1),
+         ranges={"sweeps": (0, None)},
+         bad={"net": MODEL_BAD, "data": ["d", _xy()], "k": [3, 0],
+              "prunes": [[], [1.5], [-0.1], [True], 0.5]}),
+    Case("parlearn.serial_chain.repurpose.digits_mlp",
+         lambda: dict(hidden=4, depth=1, steps=0, lr=0.01, seed=0, n_train=None),
+         ranges={"hidden": (1, None), "depth": (1, None), "steps": (0, None), "seed": (0, None)},
+         bad={"lr": POSITIVE}, legal={"n_train": [None]}, run_good=False),
 ]
 
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
@@ -1157,8 +1180,5 @@ PENDING = [
     "parlearn.serial_chain.multigrid.cost.calibrate",
     "parlearn.serial_chain.multigrid.layer_parallel.train_digits",
     "parlearn.serial_chain.neq.equilibrium.Equilibrium",
-    "parlearn.serial_chain.repurpose.assign_groups",
-    "parlearn.serial_chain.repurpose.digits_mlp",
-    "parlearn.serial_chain.repurpose.tradeoff",
     "parlearn.serial_chain.strads.cost.timed_runs",
 ]
