@@ -1106,6 +1106,9 @@ _STRADS = "tests/serial_chain/test_strads.py::"
 _REPURPOSE = "tests/serial_chain/test_repurpose.py::"
 _LOCAL = "tests/serial_chain/test_local.py::"
 COVERED_ELSEWHERE: dict[str, str | list[str]] = {
+    # a dataclass users build through Equilibrium.start (a classmethod the harness cannot name)
+    "parlearn.serial_chain.neq.equilibrium.Equilibrium":
+        "tests/serial_chain/test_neq.py::test_equilibrium_refuses_bad_outputs_naming_them",
     "parlearn.serial_chain.strads.ranks.run_ranks": [
         _STRADS + "test_run_ranks_refuses_every_bad_argument_before_any_rank_starts",
         _STRADS + "test_two_ranks_equal_one_process"],
@@ -1192,6 +1195,5 @@ PENDING = [
     "parlearn.many_copies.replicas.runs.throughput",
     "parlearn.serial_chain.multigrid.cost.calibrate",
     "parlearn.serial_chain.multigrid.layer_parallel.train_digits",
-    "parlearn.serial_chain.neq.equilibrium.Equilibrium",
     "parlearn.serial_chain.strads.cost.timed_runs",
 ]
