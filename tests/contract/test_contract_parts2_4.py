@@ -1096,6 +1096,29 @@ CASES: list[Case] = [
          bad={"m": [_t(3)], "depths": [[], [1], [True], 2], "branch_counts": [[], [0], 1],
               "seeds": [(), (-1,), 0], "lr": POSITIVE, "progress": [3]},
          legal={"width": [None], "progress": [None]}),
+    Case("parlearn.serial_chain.strads.cost.timed_runs",
+         lambda: dict(zip(("x", "y"), _lasso(), strict=True), alpha=0.1, f_star=1.0, workers=2,
+                      rounds=2, world_size=2, rho=0.5, seed=0, sklearn_epochs=(1,), repeat=1),
+         ranges={"workers": (1, 4), "rounds": (0, None), "world_size": (1, 12),
+                 "seed": (0, None), "repeat": (1, None)},
+         bad={"alpha": POSITIVE, "f_star": [0.0], "rho": OPEN_UNIT,
+              "sklearn_epochs": [(), (0,), (True,), 1, (1.5,)], "x": [_t(12)],
+              "y": [_t(11)]},
+         run_good=False),  # gloo ranks and scikit-learn fits: seconds
+    Case("parlearn.serial_chain.multigrid.cost.calibrate",
+         lambda: dict(stack=_mg_stack(), x0=_t(2, 3), cfactor=2, levels=2, repeat=1, threads=1),
+         ranges={"repeat": (1, None), "threads": (1, None)},
+         bad={"stack": MODEL_BAD, "x0": [_t(2, 4), _t(2, 3).float()], "cfactor": [1, 3, 8],
+              "levels": [0, 4]},
+         legal={"threads": [None], "x0": [NAN_TENSOR]}, run_good=False),
+    Case("parlearn.serial_chain.multigrid.layer_parallel.train_digits",
+         lambda: dict(parallel=True, data=_split(), layers=4, width=3, steps=1, lr=0.01,
+                      cfactor=2, levels=2, iters=1, relax="FCF", seed=0, progress=False),
+         ranges={"layers": (1, None), "width": (1, None), "steps": (1, None),
+                 "iters": (1, None), "seed": (0, None)},
+         bad={"data": ["d", _xy()], "lr": POSITIVE, "cfactor": [1, 3], "levels": [0, 4],
+              "relax": ["FF"]},
+         run_good=False),
 ]
 
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
@@ -1193,7 +1216,4 @@ PENDING = [
     "parlearn.many_copies.decoding.measure.sweep",
     "parlearn.many_copies.replicas.runs.instant_learning",
     "parlearn.many_copies.replicas.runs.throughput",
-    "parlearn.serial_chain.multigrid.cost.calibrate",
-    "parlearn.serial_chain.multigrid.layer_parallel.train_digits",
-    "parlearn.serial_chain.strads.cost.timed_runs",
 ]
