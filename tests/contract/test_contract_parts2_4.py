@@ -1119,6 +1119,22 @@ CASES: list[Case] = [
          bad={"data": ["d", _xy()], "lr": POSITIVE, "cfactor": [1, 3], "levels": [0, 4],
               "relax": ["FF"]},
          run_good=False),
+    Case("parlearn.many_copies.replicas.runs.instant_learning",
+         lambda: dict(data=_split(), replicas_list=[1, 2], epochs=1, hidden=3, lr=0.3,
+                      batch_size=3, bootstrap="resample", shared_init=False, looped=False,
+                      seed=0, threads=1, progress=None),
+         ranges={"epochs": (1, None), "hidden": (1, None), "batch_size": (1, None),
+                 "seed": (0, None), "threads": (1, None)},
+         bad={"data": ["d", _xy()], "replicas_list": [[], [0], [True], 2, "12"],
+              "lr": POSITIVE, "bootstrap": ["shift"], "progress": [3]},
+         legal={"threads": [None], "progress": [None]}, run_good=False),
+    Case("parlearn.many_copies.replicas.runs.throughput",
+         lambda: dict(data=_split(), replicas_list=[1, 2], steps=2, hidden=3, batch_size=3,
+                      repeat=1, threads=1),
+         ranges={"steps": (1, 2), "hidden": (1, None), "batch_size": (1, 3),
+                 "repeat": (1, None), "threads": (1, None)},
+         bad={"data": ["d", _xy()], "replicas_list": [[], [0], [True], 2, "12"]},
+         legal={"threads": [None]}, run_good=False),
 ]
 
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
@@ -1214,6 +1230,4 @@ PENDING = [
     "parlearn.many_copies.decoding.loop.decode",
     "parlearn.many_copies.decoding.measure.family_table",
     "parlearn.many_copies.decoding.measure.sweep",
-    "parlearn.many_copies.replicas.runs.instant_learning",
-    "parlearn.many_copies.replicas.runs.throughput",
 ]
