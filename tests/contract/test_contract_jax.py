@@ -39,6 +39,11 @@ def _dqn_config():
     return DQNConfig(env_steps=40, num_envs=2, max_steps=10, hidden=4, batch=4, learn_start=8)
 
 
+def _phrase():
+    from parlearn.many_copies.diffusion import PairedPhrase
+    return PairedPhrase(slots=2, m=2)
+
+
 def _cosines_in_unit(result, kw):
     assert result.shape == kw["v"].shape[-1:] and np.all((result >= 0) & (result <= 1 + 1e-12))
 
@@ -91,6 +96,13 @@ CASES: list[Case] = [
          bad={"variants": [[], ["nope"], "dqn", [True]], "seeds": [[], [-1], [True], 0],
               "config": ["dqn"], "progress": [3]},
          legal={"config": [None], "progress": [None], "threads": [None]}, run_good=False),
+
+    # mean field runs its JAX kernel: refusals only (each comes before any decoding)
+    Case("parlearn.many_copies.decoding.measure.family_table",
+         lambda: dict(languages=[_phrase()], batch=2, seed=0, target=0.95, taus=(0.5,)),
+         ranges={"batch": (1, None), "seed": (0, None), "target": (0.0, 1.0)},
+         bad={"languages": [[], "l", [3]], "taus": [(), (0.0,), (1.0,), (True,), 0.5]},
+         run_good=False),
 ]
 
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)

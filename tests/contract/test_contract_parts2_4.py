@@ -1135,6 +1135,28 @@ CASES: list[Case] = [
                  "repeat": (1, None), "threads": (1, None)},
          bad={"data": ["d", _xy()], "replicas_list": [[], [0], [True], 2, "12"]},
          legal={"threads": [None]}, run_good=False),
+    # decoding with torch strategies only (mean field's kernel starts JAX: test_contract_jax)
+    Case("parlearn.many_copies.decoding.loop.decode",
+         lambda: dict(denoiser=_phrase().denoiser, length=_phrase().length, batch=2,
+                      mask_id=_phrase().mask_id, strategy="threshold", prompt=None,
+                      generator=_gen(), device=None, max_passes=50, tau=0.5),
+         ranges={"batch": (1, None)},
+         bad={"denoiser": [3], "mask_id": [-1], "strategy": ["sequential"], "length": [0, -1],
+              "max_passes": [0, -1],
+              "prompt": [torch.zeros(3, dtype=torch.long), _t(_phrase().length),
+                         torch.full((_phrase().length,), -1)],
+              "generator": [0, "g"], "tau": [0.0, 1.0, -0.5, 1.5]},
+         legal={"prompt": [None], "generator": [None], "max_passes": [None]},
+         skip={"device": "any device torch accepts (default: the denoiser's)"},
+         check=lambda r, kw: None if bool((r.tokens != kw["mask_id"]).all())
+         else pytest.fail("tokens left masked")),
+    Case("parlearn.many_copies.decoding.measure.sweep",
+         lambda: dict(denoiser=_phrase().denoiser, lang=_phrase(), strategy="fixed_k",
+                      grid=[{"k": 1}, {"k": 2}], batch=2, seed=0, device=None),
+         ranges={"batch": (1, None), "seed": (0, None)},
+         bad={"denoiser": [3], "lang": ["lang", 3], "strategy": ["threshold"],
+              "grid": [[], {"k": 1}, [{"k": 0}], [{"tau": 0.5}], ["k"]]},
+         skip={"device": "any device torch accepts (default: the denoiser's)"}),
 ]
 
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
@@ -1227,7 +1249,4 @@ EXEMPT: dict[str, str] = {
 
 # Public callables whose contract test is still to be written (test_completeness: only shrinks).
 PENDING = [
-    "parlearn.many_copies.decoding.loop.decode",
-    "parlearn.many_copies.decoding.measure.family_table",
-    "parlearn.many_copies.decoding.measure.sweep",
 ]
