@@ -58,6 +58,7 @@ def _orthonormal_top(result, kw):
 
 
 OPEN_BOTH = [0.0, 1.0, -0.5, 1.5]
+POSITIVE = [0.0, -1.0]
 BAD_X = [np.zeros((8, 3), dtype=np.int64), _nan(_x()), _x()[0], np.zeros((0, 3))]
 
 CASES: list[Case] = [
@@ -103,6 +104,27 @@ CASES: list[Case] = [
          ranges={"batch": (1, None), "seed": (0, None), "target": (0.0, 1.0)},
          bad={"languages": [[], "l", [3]], "taus": [(), (0.0,), (1.0,), (True,), 0.5]},
          run_good=False),
+    Case("parlearn.many_copies.rl.ppo.PPOConfig",
+         lambda: dict(num_envs=4, num_steps=4, updates=1, epochs=1, minibatches=2, gamma=0.99,
+                      lam=0.95, clip=0.2, lr=2.5e-3, ent_coef=0.01, vf_coef=0.5,
+                      max_grad_norm=0.5, hidden=4),
+         ranges={"num_envs": (1, None), "num_steps": (1, None), "updates": (1, None),
+                 "epochs": (1, None), "gamma": (0.0, 1.0), "lam": (0.0, 1.0),
+                 "ent_coef": (0.0, None), "vf_coef": (0.0, None), "hidden": (1, None)},
+         bad={"minibatches": [0, 3, 32], "clip": POSITIVE, "lr": POSITIVE,
+              "max_grad_norm": POSITIVE},
+         legal={}),
+    Case("parlearn.many_copies.eigengame.game.direction",
+         lambda: dict(v=_v(), x=_x(), method="mu"),
+         bad={"v": [_v(4, 2), _nan(_v()), _v(3, 4)], "x": BAD_X, "method": ["oja"]}),
+    Case("parlearn.many_copies.eigengame.game.update",
+         lambda: dict(v=_v(), x=_x(), lr=0.1, method="mu"),
+         bad={"v": [_v(4, 2), _nan(_v())], "x": BAD_X, "lr": POSITIVE},
+         check=lambda r, kw: np.testing.assert_allclose(np.linalg.norm(r, axis=0), 1.0)),
+    Case("parlearn.many_copies.eigengame.game.minibatch_bias",
+         lambda: dict(v=_v(), x=_x(), batch=2, samples=8, method="mu", seed=0),
+         ranges={"batch": (1, None), "samples": (2, None), "seed": (0, None)},
+         bad={"v": [_v(4, 2)], "x": BAD_X, "method": ["oja"]}),
 ]
 
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
@@ -131,9 +153,6 @@ PENDING = [
     "parlearn.many_copies.eigengame.devices.collective_bytes",
     "parlearn.many_copies.eigengame.devices.compare_sharded",
     "parlearn.many_copies.eigengame.devices.run_with_devices",
-    "parlearn.many_copies.eigengame.game.direction",
-    "parlearn.many_copies.eigengame.game.minibatch_bias",
-    "parlearn.many_copies.eigengame.game.update",
     "parlearn.many_copies.eigengame.speed.sharded_throughput",
     "parlearn.many_copies.eigengame.speed.throughput",
     "parlearn.many_copies.eigengame.training.fit",
@@ -160,7 +179,6 @@ PENDING = [
     "parlearn.many_copies.rl.envs.step_loop",
     "parlearn.many_copies.rl.policy.init_policy",
     "parlearn.many_copies.rl.policy.policy_logits_value",
-    "parlearn.many_copies.rl.ppo.PPOConfig",
     "parlearn.many_copies.rl.ppo.evaluate",
     "parlearn.many_copies.rl.ppo.time_to_target",
     "parlearn.many_copies.rl.ppo.train_ppo",
