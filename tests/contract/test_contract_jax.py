@@ -44,6 +44,11 @@ def _phrase():
     return PairedPhrase(slots=2, m=2)
 
 
+def _rastrigin():
+    from parlearn.many_copies.qd.search import rastrigin_task
+    return rastrigin_task(2)
+
+
 def _cosines_in_unit(result, kw):
     assert result.shape == kw["v"].shape[-1:] and np.all((result >= 0) & (result <= 1 + 1e-12))
 
@@ -125,6 +130,29 @@ CASES: list[Case] = [
          lambda: dict(v=_v(), x=_x(), batch=2, samples=8, method="mu", seed=0),
          ranges={"batch": (1, None), "samples": (2, None), "seed": (0, None)},
          bad={"v": [_v(4, 2)], "x": BAD_X, "method": ["oja"]}),
+    Case("parlearn.many_copies.qd.search.arm_task", lambda: dict(dofs=3),
+         ranges={"dofs": (1, None)}),
+    Case("parlearn.many_copies.qd.search.rastrigin_task", lambda: dict(dim=3),
+         ranges={"dim": (2, None)}),
+    Case("parlearn.many_copies.qd.search.empty_archive",
+         lambda: dict(task=_rastrigin(), cells_per_dim=4),
+         ranges={"cells_per_dim": (1, None)}, bad={"task": ["task", 3]},
+         check=lambda r, kw: None if r.fitness.shape == (kw["cells_per_dim"] ** 2,)
+         else pytest.fail(f"{r.fitness.shape}")),
+    Case("parlearn.many_copies.eigengame.devices.collective_bytes",
+         lambda: dict(x=_x(), k=2, mesh_shape=(1, 1), batch=4, method="mu"),
+         ranges={"k": (1, 3), "batch": (1, 8)},
+         bad={"x": BAD_X, "mesh_shape": [(1,), (1, 1, 1), 1, (0, 1), (1, True)],
+              "method": ["oja"]},
+         run_good=False),  # an XLA compile per call
+    Case("parlearn.many_copies.eigengame.training.fit",
+         lambda: dict(x=_x(), k=2, method="mu", batch=None, lr=0.1, steps=2, record_every=None,
+                      seed=0, v0=None),
+         ranges={"k": (1, 3), "batch": (1, 8), "steps": (1, None), "seed": (0, None)},
+         bad={"x": BAD_X, "method": ["oja"], "lr": POSITIVE, "record_every": [0, 3],
+              "v0": [_v(4, 2), _v(3, 3), _nan(_v())]},
+         legal={"batch": [None], "record_every": [None], "v0": [None]},
+         run_good=False),  # an XLA compile per call
 ]
 
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
@@ -150,23 +178,18 @@ PENDING = [
     "parlearn.many_copies.decoding.mean_field.mean_field_commit",
     "parlearn.many_copies.decoding.mean_field.overlap_coupling",
     "parlearn.many_copies.decoding.mean_field.overlap_coupling_dense",
-    "parlearn.many_copies.eigengame.devices.collective_bytes",
     "parlearn.many_copies.eigengame.devices.compare_sharded",
     "parlearn.many_copies.eigengame.devices.run_with_devices",
     "parlearn.many_copies.eigengame.speed.sharded_throughput",
     "parlearn.many_copies.eigengame.speed.throughput",
-    "parlearn.many_copies.eigengame.training.fit",
     "parlearn.many_copies.eigengame.training.fit_sharded",
     "parlearn.many_copies.qd.qdax_engine.qdax_map_elites",
-    "parlearn.many_copies.qd.search.arm_task",
     "parlearn.many_copies.qd.search.cell_index",
-    "parlearn.many_copies.qd.search.empty_archive",
     "parlearn.many_copies.qd.search.insert",
     "parlearn.many_copies.qd.search.insert_loop",
     "parlearn.many_copies.qd.search.isoline_variation",
     "parlearn.many_copies.qd.search.map_elites",
     "parlearn.many_copies.qd.search.qd_metrics",
-    "parlearn.many_copies.qd.search.rastrigin_task",
     "parlearn.many_copies.qd.search.score_batch",
     "parlearn.many_copies.qd.search.score_loop",
     "parlearn.many_copies.qd.throughput.evals_per_second",

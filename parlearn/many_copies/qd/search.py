@@ -100,6 +100,9 @@ def empty_archive(task: Task, cells_per_dim: int = 32) -> Archive:
     """An archive with every cell empty."""
     import jax.numpy as jnp
 
+    if not isinstance(task, Task):
+        raise TypeError(f"task must be a qd Task (arm_task, rastrigin_task), got "
+                        f"{type(task).__name__}")
     cells_per_dim = check_int("cells_per_dim", cells_per_dim, lo=1)
     cells = cells_per_dim ** task.n_desc
     return Archive(jnp.full((cells,), -jnp.inf, jnp.float32),
