@@ -49,6 +49,20 @@ def _rastrigin():
     return rastrigin_task(2)
 
 
+def _archive():
+    """Four cells, two filled (fitness 0.5 and 2.0), as NumPy arrays."""
+    from parlearn.many_copies.qd.search import Archive
+    fit = np.array([0.5, -np.inf, 2.0, -np.inf], dtype=np.float32)
+    return Archive(fit, np.zeros((4, 2), np.float32), np.zeros((4, 2), np.float32))
+
+
+def _ppo_result():
+    """Returns 1 then 5 at 10 and 20 env steps (0.1 s and 0.2 s), no evaluations."""
+    from parlearn.many_copies.rl.ppo import PPOConfig, PPOResult
+    return PPOResult({}, np.array([10, 20]), np.array([1.0, 5.0]), np.array([np.nan, np.nan]),
+                     np.array([0.1, 0.2]), 0.0, PPOConfig(), "cartpole", "cpu")
+
+
 def _cosines_in_unit(result, kw):
     assert result.shape == kw["v"].shape[-1:] and np.all((result >= 0) & (result <= 1 + 1e-12))
 
@@ -153,6 +167,18 @@ CASES: list[Case] = [
               "v0": [_v(4, 2), _v(3, 3), _nan(_v())]},
          legal={"batch": [None], "record_every": [None], "v0": [None]},
          run_good=False),  # an XLA compile per call
+    Case("parlearn.many_copies.rl.envs.cartpole", lambda: dict(max_steps=10),
+         ranges={"max_steps": (1, None)}),
+    Case("parlearn.many_copies.qd.search.qd_metrics",
+         lambda: dict(archive=_archive(), fitness_floor=-1.0),
+         bad={"archive": ["a", (np.zeros(3),)]},
+         check=lambda r, kw: np.testing.assert_allclose(
+             [float(r["qd_score"]), float(r["coverage"]), float(r["max_fitness"])],
+             [(0.5 - kw["fitness_floor"]) + (2.0 - kw["fitness_floor"]), 0.5, 2.0], rtol=1e-6)),
+    Case("parlearn.many_copies.rl.ppo.time_to_target",
+         lambda: dict(result=_ppo_result(), target=3.0),
+         bad={"result": ["r", None]},
+         check=lambda r, kw: None if r == (0.2, 20) else pytest.fail(f"{r}")),
 ]
 
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
@@ -189,7 +215,6 @@ PENDING = [
     "parlearn.many_copies.qd.search.insert_loop",
     "parlearn.many_copies.qd.search.isoline_variation",
     "parlearn.many_copies.qd.search.map_elites",
-    "parlearn.many_copies.qd.search.qd_metrics",
     "parlearn.many_copies.qd.search.score_batch",
     "parlearn.many_copies.qd.search.score_loop",
     "parlearn.many_copies.qd.throughput.evals_per_second",
@@ -197,13 +222,11 @@ PENDING = [
     "parlearn.many_copies.rl.advantages.gae_loop",
     "parlearn.many_copies.rl.envs.batch_reset",
     "parlearn.many_copies.rl.envs.batch_step",
-    "parlearn.many_copies.rl.envs.cartpole",
     "parlearn.many_copies.rl.envs.gymnax_env",
     "parlearn.many_copies.rl.envs.step_loop",
     "parlearn.many_copies.rl.policy.init_policy",
     "parlearn.many_copies.rl.policy.policy_logits_value",
     "parlearn.many_copies.rl.ppo.evaluate",
-    "parlearn.many_copies.rl.ppo.time_to_target",
     "parlearn.many_copies.rl.ppo.train_ppo",
     "parlearn.many_copies.rl.throughput.env_steps_per_second",
 ]

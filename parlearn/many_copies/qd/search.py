@@ -238,6 +238,10 @@ def qd_metrics(archive: Archive, fitness_floor: float) -> dict[str, Any]:
     """QD-score (sum over filled cells of ``fitness - fitness_floor``), coverage, best fitness."""
     import jax.numpy as jnp
 
+    if not isinstance(archive, Archive):
+        raise TypeError(f"archive must be a qd Archive (empty_archive, insert), got "
+                        f"{type(archive).__name__}")
+    fitness_floor = check_float("fitness_floor", fitness_floor)
     filled = jnp.isfinite(archive.fitness)
     return {"qd_score": jnp.sum(jnp.where(filled, archive.fitness - fitness_floor, 0.0)),
             "coverage": jnp.mean(filled),
