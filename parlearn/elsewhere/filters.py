@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from parlearn.core.bench import Row
-from parlearn.core.checks import check_float, check_int, check_module, check_seed, check_tensor
+from parlearn.core.checks import check_callable, check_float, check_int, check_seed, check_tensor
 from parlearn.core.timing import UNRELIABLE, compare
 
 __all__ = ["World", "make_world", "expected_scans", "observe", "log_likelihood",
@@ -77,7 +77,17 @@ def expected_scans(walls: torch.Tensor, cells: torch.Tensor, rays: int,
     Each ray is marched in steps of ``step`` cells; the depth is the first distance at which
     the point lies in a wall or outside the grid (``max_range`` if none). Shape (cells, rays).
     """
+    walls = check_tensor("walls", walls, ndim=2, dtype=torch.bool)
     size = walls.shape[0]
+    if walls.shape[1] != size:
+        raise ValueError(f"walls must be square, got shape {tuple(walls.shape)}")
+    check_tensor("cells", cells, shape=(None, 2), floating=False)
+    if cells.numel() and (int(cells.min()) < 0 or int(cells.max()) >= size):
+        raise ValueError(f"cells must be (x, y) rows in [0, {size - 1}], got values from "
+                         f"{int(cells.min())} to {int(cells.max())}")
+    rays = check_int("rays", rays, lo=1)
+    max_range = check_float("max_range", max_range, lo=0, lo_open=True)
+    step = check_float("step", step, lo=0, hi=max_range, lo_open=True)
     angles = torch.arange(rays, dtype=torch.float64) * (2 * math.pi / rays)
     dirs = torch.stack([torch.cos(angles), torch.sin(angles)], 1)            # (R, 2)
     ts = torch.arange(1, int(max_range / step) + 1, dtype=torch.float64) * step  # (S,)
@@ -109,11 +119,28 @@ def make_world(size: int = 12, *, density: float = 0.2, rays: int = 8, sigma: fl
     return World(walls, free, expected_scans(walls, free, rays, max_range), sigma, max_range)
 
 
+def _check_world(world: World) -> World:
+    if not isinstance(world, World):
+        raise TypeError(f"world must be a filters.World (make_world), got {type(world).__name__}")
+    return world
+
+
+def _check_walk(world: World, moves: list[int], scans: torch.Tensor, p_slip: float) -> float:
+    """``moves`` a list of moves (indices into MOVES), ``scans`` (len(moves), rays) floats."""
+    _check_world(world)
+    if not isinstance(moves, list | tuple) or not moves:
+        raise TypeError(f"moves must be a non-empty list of ints in [0, {len(MOVES) - 1}], "
+                        f"got {moves!r}")
+    for m in moves:
+        check_int("moves", m, lo=0, hi=len(MOVES) - 1)
+    check_tensor("scans", scans, shape=(len(moves), world.rays), floating=True, finite=True)
+    return check_float("p_slip", p_slip, lo=0, hi=1)
+
+
 def _check_cells(world: World, cell_index: torch.Tensor, name: str = "cell_index") -> None:
     """``world`` a :class:`World`; ``cell_index`` 1-D integer indices into ``world.free``
     (a negative one would wrap to the last free cell)."""
-    if not isinstance(world, World):
-        raise TypeError(f"world must be a filters.World (make_world), got {type(world).__name__}")
+    _check_world(world)
     check_tensor(name, cell_index, ndim=1, floating=False)
     n = len(world.free)
     if cell_index.numel() and (int(cell_index.min()) < 0 or int(cell_index.max()) >= n):
@@ -182,7 +209,12 @@ def grid_filter(world: World, moves: list[int], scans: torch.Tensor, p_slip: flo
                 prior: torch.Tensor | None = None) -> torch.Tensor:
     """Exact posteriors over the free cells after each (move, scan): predict with the
     transition matrix, multiply by the likelihood, normalise. Shape (steps, free cells)."""
+    p_slip = _check_walk(world, moves, scans, p_slip)
     n = len(world.free)
+    if prior is not None:
+        check_tensor("prior", prior, shape=(n,), floating=True, finite=True)
+        if bool((prior < 0).any()) or not float(prior.sum()) > 0:
+            raise ValueError("prior must be weights >= 0 over the free cells, not all zero")
     belief = torch.full((n,), 1.0 / n, dtype=torch.float64) if prior is None else prior.clone()
     out = []
     for move, z in zip(moves, scans, strict=True):
@@ -241,7 +273,10 @@ def particle_filter(world: World, moves: list[int], scans: torch.Tensor, p_slip:
     resampling, "log_w": (steps, N) normalised log-weights, "mean": (steps, 2) weighted
     mean position}``.
     """
+    p_slip = _check_walk(world, moves, scans, p_slip)
     n = check_int("particles", particles, lo=1)
+    if likelihood is not None:
+        check_callable("likelihood", likelihood)
     g = _gen(seed)
     lik = partial(log_likelihood, world) if likelihood is None else likelihood
     cells = torch.randint(len(world.free), (n,), generator=g)  # the uniform prior
@@ -278,6 +313,9 @@ class DMUNet(nn.Module):
 
     def __init__(self, rays: int, world_size: int, hidden: int = 64, code: int = 32,
                  freqs: int = 4) -> None:
+        for name, v in (("rays", rays), ("world_size", world_size), ("hidden", hidden),
+                        ("code", code), ("freqs", freqs)):
+            check_int(name, v, lo=1)
         super().__init__()
         self.world_size, self.freqs = world_size, freqs
         self.encoder = nn.Sequential(nn.Linear(rays, hidden), nn.ReLU(), nn.Linear(hidden, code))
@@ -308,8 +346,11 @@ def train_dmu(world: World, *, steps: int = 1500, batch: int = 256, lr: float = 
     """Train a :class:`DMUNet` on synthetic scans only: each batch holds (true cell, its noisy
     scan) pairs labelled 1 and (random cell, the same scan) labelled 0; binary cross-entropy.
     Returns the network (float32, eval mode) and the loss per step."""
+    _check_world(world)
     steps = check_int("steps", steps, lo=1)
     batch = check_int("batch", batch, lo=2)
+    lr = check_float("lr", lr, lo=0, lo_open=True)
+    hidden = check_int("hidden", hidden, lo=1)
     g = _gen(seed)
     with torch.random.fork_rng(devices=[]):  # init from our seed, the user's RNG untouched
         torch.manual_seed(int(torch.randint(2**31, (), generator=g)))
@@ -332,10 +373,17 @@ def train_dmu(world: World, *, steps: int = 1500, batch: int = 256, lr: float = 
     return net.eval(), losses
 
 
+def _check_net(net: DMUNet, world: World, z: torch.Tensor, cell_index: torch.Tensor) -> None:
+    if not isinstance(net, DMUNet):
+        raise TypeError(f"net must be a filters.DMUNet, got {type(net).__name__}")
+    _check_cells(world, cell_index)
+    check_tensor("z", z, shape=(world.rays,), floating=True)
+
+
 def net_log_likelihood(net: DMUNet, world: World, z: torch.Tensor,
                        cell_index: torch.Tensor) -> torch.Tensor:
     """The network's score of every particle, batched: one encoding, one decoder call."""
-    check_module("net", net)
+    _check_net(net, world, z, cell_index)
     pos = world.free[cell_index].to(torch.float32) + 0.5
     with torch.no_grad():
         return net.decode(net.encode(z.to(torch.float32)), pos)
@@ -344,7 +392,7 @@ def net_log_likelihood(net: DMUNet, world: World, z: torch.Tensor,
 def net_log_likelihood_looped(net: DMUNet, world: World, z: torch.Tensor,
                               cell_index: torch.Tensor) -> torch.Tensor:
     """The same scores one particle at a time (the serial reference and the bench's loop)."""
-    check_module("net", net)
+    _check_net(net, world, z, cell_index)
     pos = world.free[cell_index].to(torch.float32) + 0.5
     with torch.no_grad():
         return torch.stack([net(z.to(torch.float32), p[None])[0] for p in pos])
@@ -352,7 +400,9 @@ def net_log_likelihood_looped(net: DMUNet, world: World, z: torch.Tensor,
 
 def simulate(world: World, steps: int, p_slip: float, seed: int = 0) -> dict:
     """A random walk of the robot and its noisy scans: ``{"moves", "cells", "scans"}``."""
+    _check_world(world)
     steps = check_int("steps", steps, lo=1)
+    check_float("p_slip", p_slip, lo=0, hi=1)
     g = _gen(seed)
     cell = torch.randint(len(world.free), (1,), generator=g)
     moves, cells, scans = [], [], []
@@ -369,6 +419,13 @@ def tracking_error(world: World, particles: int, *, likelihood=None, steps: int 
                    runs: int = 4, p_slip: float = 0.2, seed: int = 0) -> float:
     """Mean distance (cells) from the filter's weighted-mean position to the true one, over
     the second half of ``runs`` simulated walks of ``steps`` steps."""
+    _check_world(world)
+    check_int("particles", particles, lo=1)
+    if likelihood is not None:
+        check_callable("likelihood", likelihood)
+    check_int("steps", steps, lo=1)
+    check_float("p_slip", p_slip, lo=0, hi=1)
+    check_seed("seed", seed)
     errs = []
     for r in range(check_int("runs", runs, lo=1)):
         sim = simulate(world, steps, p_slip, seed=seed + r)
@@ -385,11 +442,18 @@ def throughput(net: DMUNet, world: World, sizes: list[int], *, loop_max: int = 2
     the CPU with one thread. The loop is timed only for N <= ``loop_max`` (it is linear in N).
     Returns ``{"sizes", "batched": [...], "loop": [... or None], "spread", "threads",
     "reliable"}``."""
+    _check_net(net, _check_world(world), world.scans[0], torch.tensor([0]))
+    if not isinstance(sizes, list | tuple) or not sizes:
+        raise TypeError(f"sizes must be a non-empty list of ints >= 1, got {sizes!r}")
+    for n in sizes:
+        check_int("sizes", n, lo=1)
+    loop_max = check_int("loop_max", loop_max, lo=0)
+    repeat = check_int("repeat", repeat, lo=1)
     z = observe(world, torch.tensor([0]), seed)[0]
     out: dict = {"sizes": list(sizes), "batched": [], "loop": [], "spread": [],
                  "threads": 1, "reliable": True}
     for n in sizes:
-        cells = torch.randint(len(world.free), (check_int("size", n, lo=1),),
+        cells = torch.randint(len(world.free), (n,),
                               generator=_gen(seed))
         cands = {"batched": partial(net_log_likelihood, net, world, z, cells)}
         if n <= loop_max:

@@ -376,6 +376,8 @@ def mdlm_corrupt(x: torch.Tensor, mask_id: int, generator: torch.Generator
     (clamped to ``>= 1e-3``), each position masked with probability ``t``."""
     check_tensor("x", x, ndim=2, floating=False)
     check_int("mask_id", mask_id, lo=0)
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     t = torch.rand(x.shape[0], 1, generator=generator).clamp_min(1e-3)
     mask = torch.rand(x.shape, generator=generator) < t
     return torch.where(mask, torch.full_like(x, mask_id), x), mask, t
@@ -384,7 +386,19 @@ def mdlm_corrupt(x: torch.Tensor, mask_id: int, generator: torch.Generator
 def mdlm_loss(logits: torch.Tensor, x: torch.Tensor, mask: torch.Tensor,
               t: torch.Tensor) -> torch.Tensor:
     """The continuous-time MDLM / LLaDA bound: cross-entropy on masked positions
-    weighted by ``1/t``, summed and divided by the number of positions ``B * L``."""
+    weighted by ``1/t``, summed and divided by the number of positions ``B * L``.
+    ``logits`` (B, L, V), ``x`` (B, L) tokens in [0, V), ``mask`` (B, L) bool, ``t`` (B, 1)
+    rates in (0, 1] (as :func:`mdlm_corrupt` returns them)."""
+    check_tensor("logits", logits, ndim=3, floating=True)
+    b, length, v = logits.shape
+    check_tensor("x", x, shape=(b, length), floating=False)
+    if x.numel() and (int(x.min()) < 0 or int(x.max()) >= v):
+        raise ValueError(f"x must hold tokens in [0, {v - 1}] (logits' last size), got values "
+                         f"from {int(x.min())} to {int(x.max())}")
+    check_tensor("mask", mask, shape=(b, length), dtype=torch.bool)
+    check_tensor("t", t, shape=(b, 1), floating=True, finite=True)
+    if bool((t <= 0).any()) or bool((t > 1).any()):
+        raise ValueError("t must hold rates in (0, 1]")
     ce = nn.functional.cross_entropy(logits.transpose(1, 2), x, reduction="none")
     return (ce * mask / t).sum() / x.numel()
 
@@ -434,6 +448,8 @@ def conditional_distance(model: nn.Module, lang, *, n: int = 512, seed: int = 1)
     """Mean total-variation distance between the model's and the exact conditionals,
     over masked positions of ``n`` sequences masked at rates ``t ~ U(0, 1)``."""
     check_module("model", model)
+    if not isinstance(lang, (PairedPhrase, GroupLanguage)):
+        raise TypeError(f"lang must be a PairedPhrase or GroupLanguage, got {type(lang).__name__}")
     check_int("n", n, lo=1)
     check_int("seed", seed, lo=0)
     g = torch.Generator().manual_seed(seed)

@@ -33,7 +33,14 @@ from dataclasses import dataclass
 
 import torch
 
-from parlearn.core.checks import check_choice, check_float, check_int, check_seed, check_tensor
+from parlearn.core.checks import (
+    check_callable,
+    check_choice,
+    check_float,
+    check_int,
+    check_seed,
+    check_tensor,
+)
 
 __all__ = ["REGULARISERS", "make_target", "singular_values", "numerical_rank", "nuclear_norm",
            "svt", "svt_value", "convex_objective", "balanced_factors", "standard_min_norm",
@@ -297,6 +304,8 @@ def train(m: torch.Tensor, lam: float, *, depth: int = 2, branches: int = 1,
     reg = check_choice("reg", reg, REGULARISERS)
     steps, lr = check_int("steps", steps, lo=1), check_float("lr", lr, lo=0.0, lo_open=True)
     record_every = check_int("record_every", record_every, lo=1)
+    if progress is not None:
+        check_callable("progress", progress)
     width = min(m.shape) if width is None else width
     # drawn on the CPU (a CPU generator gives the same start on every device), then moved
     ws = [w.to(m.device).requires_grad_(True) for w in init_branches(
@@ -335,7 +344,16 @@ def gap_table(m: torch.Tensor, lam: float, *, depths: Sequence[int], branch_coun
     (:func:`branch_upper_bound`, reached by rank-1 branches at every depth), ``rank``
     (numerical rank of the best run's end-to-end matrix) and ``rank_svt``."""
     m, lam = _matrix("m", m), check_float("lam", lam, lo=0.0)
-    depths = [_depth(d) for d in depths]
+    for name, seq in (("depths", depths), ("branch_counts", branch_counts), ("seeds", seeds)):
+        if not isinstance(seq, list | tuple | range):
+            raise TypeError(f"{name} must be a list of ints, got {seq!r}")
+    check_int("steps", steps, lo=1)
+    check_float("lr", lr, lo=0.0, lo_open=True)
+    if width is not None:
+        check_int("width", width, lo=1)
+    if progress is not None:
+        check_callable("progress", progress)
+    depths = [check_int("depths", d, lo=2) for d in depths]
     counts = [check_int("branch_counts", k, lo=1) for k in branch_counts]
     seeds = [check_int("seeds", s, lo=0) for s in seeds]
     if not depths or not counts or not seeds:

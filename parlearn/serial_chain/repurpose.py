@@ -169,6 +169,18 @@ def _cross(groups_out: torch.Tensor, groups_in: torch.Tensor) -> torch.Tensor:
     return groups_out[:, None] != groups_in[None, :]
 
 
+def _check_energy(lins: list[nn.Linear], energy) -> None:
+    """``energy[l]``: a finite (in_features,) tensor >= 0 for every Linear (as
+    :func:`calibration_energy` returns)."""
+    if not isinstance(energy, list | tuple) or len(energy) != len(lins):
+        raise ValueError(f"energy must be a list of {len(lins)} tensors (one per Linear), "
+                         f"got {type(energy).__name__}")
+    for lin, e in zip(lins, energy, strict=True):
+        check_tensor("energy", e, shape=(lin.in_features,), floating=True, finite=True)
+        if bool((e < 0).any()):
+            raise ValueError("energy must hold mean squares >= 0")
+
+
 def _saliency(net: nn.Module, energy: list[torch.Tensor]) -> list[torch.Tensor]:
     """``W[j, i]^2 E[x_i^2]`` for every hidden-to-hidden matrix (layers 1 .. L-2)."""
     lins = linears(net)
@@ -201,6 +213,7 @@ def assign_groups(net: nn.Module, k: int, energy: list[torch.Tensor], sweeps: in
     from ``seed``) and keeps the best. Returns the groups and the best run's off-block
     share before and after each sweep (never increasing)."""
     lins = _check_k(net, k)
+    _check_energy(lins, energy)
     sweeps = check_int("sweeps", sweeps, lo=0)
     restarts = check_int("restarts", restarts, lo=1)
     gen = torch.Generator().manual_seed(check_int("seed", seed, lo=0))
@@ -448,7 +461,16 @@ def tradeoff(net: nn.Module, data: Split, k: int, prunes: list[float], *,
     """Test accuracy and wire bytes per example (counted from the weights) of the split net
     at each pruning fraction in ``prunes``, restructured first when ``permute_first``.
     Calibration data: the training set."""
+    _check_k(net, k)
+    if not isinstance(data, Split):
+        raise TypeError(f"data must be a parlearn.datasets.Split, got {type(data).__name__}")
+    if not isinstance(prunes, list | tuple) or not prunes:
+        raise TypeError(f"prunes must be a non-empty list of fractions in [0, 1], got {prunes!r}")
+    for p in prunes:
+        check_float("prunes", p, lo=0, hi=1)
     check_bool("permute_first", permute_first)
+    check_bool("refit", refit)
+    check_int("sweeps", sweeps, lo=0)
     base = restructure(net, k, data.x_train, sweeps)[0] if permute_first else net
     acc, byts = [], []
     for p in prunes:

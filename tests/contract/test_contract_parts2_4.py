@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 from harness import NAN_TENSOR, Case, contract_tests
 
@@ -89,6 +90,115 @@ def _relu_net():
 def _world():
     from parlearn.elsewhere.filters import make_world
     return make_world(6, rays=4, seed=0)
+
+
+def _mg_stack(conv=False):
+    from parlearn.serial_chain.multigrid.stack import random_stack
+    return random_stack(4, 3, conv=conv, channels=2, kernel=3, dtype=F64, seed=0)
+
+
+def _mg_states():
+    return _mg_stack().serial(_t(2, 3))
+
+
+def _half_step(level, steps, x):
+    """A linear propagator for mgrit: every step halves the state."""
+    return 0.5 * x
+
+
+def _halved_states(result, kw):
+    """After 2 FCF iterations (exact for 4 steps, cfactor 2) state n is g[0] / 2**n."""
+    if kw["iters"] >= 2 and kw["tol"] is None:
+        want = 0.5 ** torch.arange(5, dtype=F64)[:, None, None] * kw["g"][0]
+        torch.testing.assert_close(result.states, want)
+
+
+def _mg_g():
+    g = torch.zeros(5, 2, 3, dtype=F64)
+    g[0] = _t(2, 3)
+    return g
+
+
+def _tape():
+    from parlearn.serial_chain.leapfrog.terms import forward
+    x, y = _xy(5)
+    return forward(_deep(), _ce(), x, y)
+
+
+def _fb(feedback="hebbian"):
+    from parlearn.serial_chain.local.net import FeedbackLinear
+    return FeedbackLinear(3, 2, feedback=feedback)
+
+
+def _linear_grads_hold(result, kw):
+    """Linear: dW = delta^T a, db = sum of delta over the batch."""
+    (w, dw), (b, db) = result
+    torch.testing.assert_close(dw, kw["delta"].T @ kw["a"])
+    torch.testing.assert_close(db, kw["delta"].sum(0))
+
+
+def _phrase():
+    from parlearn.many_copies.diffusion import PairedPhrase
+    return PairedPhrase(slots=2, m=2)
+
+
+def _tiny_mdlm():
+    from parlearn.many_copies.diffusion import TinyMDLM
+    lang = _phrase()
+    return TinyMDLM(lang.vocab, lang.length, width=8, layers=1, heads=2)
+
+
+def _noise(copies=2):
+    from parlearn.many_copies.dither.noise import draw_noise
+    return draw_noise(_xy()[0], copies, dither="uniform", scale=0.1, generator=_gen())
+
+
+def _mdlm_batch():
+    x = torch.tensor([[0, 1, 2], [2, 1, 0]])
+    return dict(logits=_t(2, 3, 4), x=x, mask=torch.tensor([[True, False, True]] * 2),
+                t=torch.tensor([[0.5], [1.0]], dtype=F64))
+
+
+def _dqn_results(steps=(100, 100)):
+    from parlearn.elsewhere.value.dqn import DQNConfig, DQNResult
+    return [DQNResult(DQNConfig(env_steps=n), seed=i, returns=[1.0, 3.0], end_steps=[10, 90])
+            for i, n in enumerate(steps)]
+
+
+def _histories():
+    from parlearn.many_copies.dither.regimes import History
+    return {"a": [History("a", test_acc=[0.5, 0.9]), History("a", test_acc=[0.8])],
+            "b": [History("b", test_acc=[0.7]), History("b", test_acc=[0.6])]}
+
+
+def _sweep_rows():
+    from parlearn.many_copies.decoding.loop import DecodeResult
+    def res(p):
+        return DecodeResult(torch.zeros(2, 3, dtype=torch.long), torch.tensor([p, p]),
+                            torch.ones(2, 3, dtype=torch.bool))
+    return [({"tau": 0.1}, res(2), 0.995), ({"tau": 0.5}, res(1), 0.9)]
+
+
+def _family_row():
+    return {"language": "pairs", "length": 8, "threshold_tau": 0.2, "threshold_passes": 3.0,
+            "mean_field_passes": 2.5, "mean_field_validity": 0.99, "half": True,
+            "vs_threshold": True}
+
+
+def _split():
+    from parlearn.core.datasets import Split
+    (xa, ya), (xb, yb) = _xy(6), _xy(4, seed=1)
+    return Split(xa, ya, xb, yb, n_classes=2)
+
+
+def _energy():
+    from parlearn.serial_chain.repurpose import calibration_energy
+    return calibration_energy(_relu_net(), _xy()[0])
+
+
+def _dmu():
+    from parlearn.elsewhere.filters import DMUNet
+    return DMUNet(4, 6, hidden=4, code=3, freqs=2)
 
 
 def _episode(t=3, seed=0):
@@ -635,6 +745,418 @@ CASES: list[Case] = [
                       seed=0),
          ranges={"move": (0, 4), "p_slip": (0.0, 1.0), "seed": (0, None)},
          bad={"world": ["world"], "cell_index": [torch.tensor([0, -1]), torch.tensor([99])]}),
+    Case("parlearn.elsewhere.filters.expected_scans",
+         lambda: dict(walls=_world().walls, cells=_world().free[:3], rays=4, max_range=3.0,
+                      step=0.05),
+         ranges={"rays": (1, None), "max_range": (0.0, None), "step": (0.0, 3.0)},
+         bad={"walls": [torch.zeros(6, 5, dtype=torch.bool), torch.zeros(6, 6)],
+              "cells": [torch.tensor([[0, 6]]), torch.tensor([[-1, 0]]), torch.zeros(3, 2)],
+              "max_range": [0.0], "step": [0.0]},
+         run_good=False),  # legal draws (max_range 1e3, a tiny step) march millions of points
+    Case("parlearn.elsewhere.filters.grid_filter",
+         lambda: dict(world=_world(), moves=[1, 2], scans=_world().scans[:2], p_slip=0.2,
+                      prior=None),
+         ranges={"p_slip": (0.0, 1.0)},
+         bad={"world": ["world"], "moves": [[], [5], [-1, 0], [True, 1], [1.0, 2], 1],
+              "scans": [_world().scans[:1], _world().scans[:2, :3]],
+              "prior": [torch.zeros(len(_world().free), dtype=F64), _t(3),
+                        -torch.ones(len(_world().free), dtype=F64)]},
+         legal={"prior": [None]}),
+    Case("parlearn.elsewhere.filters.particle_filter",
+         lambda: dict(world=_world(), moves=[1, 2], scans=_world().scans[:2], p_slip=0.2,
+                      particles=8, likelihood=None, seed=0),
+         ranges={"p_slip": (0.0, 1.0), "particles": (1, None), "seed": (0, None)},
+         bad={"world": ["world"], "moves": [[], [5], [True, 1]], "likelihood": [3],
+              "scans": [_world().scans[:1]]},
+         legal={"likelihood": [None]}),
+    Case("parlearn.elsewhere.filters.simulate",
+         lambda: dict(world=_world(), steps=3, p_slip=0.2, seed=0),
+         ranges={"steps": (1, None), "p_slip": (0.0, 1.0), "seed": (0, None)},
+         bad={"world": ["world"]}),
+    Case("parlearn.elsewhere.filters.tracking_error",
+         lambda: dict(world=_world(), particles=8, likelihood=None, steps=2, runs=1,
+                      p_slip=0.2, seed=0),
+         ranges={"particles": (1, None), "steps": (1, None), "runs": (1, None),
+                 "p_slip": (0.0, 1.0), "seed": (0, None)},
+         bad={"world": ["world"], "likelihood": [3]}, legal={"likelihood": [None]},
+         run_good=False),
+    Case("parlearn.elsewhere.filters.DMUNet",
+         lambda: dict(rays=4, world_size=6, hidden=4, code=3, freqs=2),
+         ranges={"rays": (1, None), "world_size": (1, None), "hidden": (1, None),
+                 "code": (1, None), "freqs": (1, None)}),
+    Case("parlearn.elsewhere.filters.net_log_likelihood",
+         lambda: dict(net=_dmu(), world=_world(), z=_world().scans[0],
+                      cell_index=torch.tensor([0, 2])),
+         bad={"net": MODEL_BAD, "world": ["world"], "z": [_t(3), _t(4, 1)],
+              "cell_index": [torch.tensor([-1]), torch.tensor([99]), _t(2)]},
+         legal={"z": [NAN_TENSOR]}),
+    Case("parlearn.elsewhere.filters.net_log_likelihood_looped",
+         lambda: dict(net=_dmu(), world=_world(), z=_world().scans[0],
+                      cell_index=torch.tensor([0, 2])),
+         bad={"net": MODEL_BAD, "world": ["world"], "z": [_t(3), _t(4, 1)],
+              "cell_index": [torch.tensor([-1]), torch.tensor([99]), _t(2)]},
+         legal={"z": [NAN_TENSOR]}),
+    Case("parlearn.elsewhere.filters.train_dmu",
+         lambda: dict(world=_world(), steps=1, batch=2, lr=1e-3, hidden=4, seed=0),
+         ranges={"steps": (1, None), "batch": (2, None), "lr": (0.0, None),
+                 "hidden": (1, None), "seed": (0, None)},
+         bad={"world": ["world"], "lr": [0.0]}, run_good=False),
+    Case("parlearn.elsewhere.filters.throughput",
+         lambda: dict(net=_dmu(), world=_world(), sizes=[2], loop_max=2, repeat=1, seed=0),
+         ranges={"loop_max": (0, None), "repeat": (1, None), "seed": (0, None)},
+         bad={"net": MODEL_BAD, "world": ["world"], "sizes": [[], [0], [True], [2.0], 2]},
+         run_good=False),
+    Case("parlearn.serial_chain.multigrid.stack.dense_tanh",
+         lambda: dict(x=_t(2, 3), p={"W": _t(4, 3), "b": _t(4)}),
+         bad={"x": [_t(2, 4), _t(3), _t(2, 3).float()],
+              "p": [{"W": _t(4, 3)}, {"W": _t(4, 3), "b": _t(3)}, {"W": _t(3), "b": _t(3)},
+                    "p"]},
+         legal={"x": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.multigrid.stack.conv_tanh",
+         lambda: dict(x=_t(2, 2, 4, 4), p={"W": _t(2, 2, 3, 3), "b": _t(2)}),
+         bad={"x": [_t(2, 3, 4, 4), _t(2, 4, 4)],
+              "p": [{"W": _t(2, 2, 3, 3)}, {"W": _t(2, 2), "b": _t(2)}, "p"]},
+         legal={"x": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.multigrid.stack.ResidualStack",
+         lambda: dict(params={"W": _t(4, 3, 3), "b": _t(4, 3)}, h=0.25,
+                      fn=_mg_stack().fn),
+         bad={"params": [{}, "p", {"W": _t(4, 3, 3), "b": _t(3, 3)}, {"W": _t(4, 3, 2),
+                                                                     "b": _t(4, 3)}],
+              "h": [0.0, -0.5, -1e12], "fn": [3]}),
+    Case("parlearn.serial_chain.multigrid.solver.residual",
+         lambda: dict(step=_half_step, u=_mg_g(), g=_mg_g(), level=0),
+         ranges={"level": (0, None)},
+         bad={"step": [3], "g": [_t(4, 2, 3), _t(5, 2)]},
+         legal={"u": [NAN_TENSOR], "g": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.multigrid.solver.mgrit",
+         lambda: dict(step=_half_step, g=_mg_g(), cfactor=2, levels=2, iters=2, tol=None,
+                      relax="FCF", warm_start=None, batched=True, record=True),
+         ranges={"iters": (0, None), "tol": (0.0, None)},
+         bad={"step": [3], "g": [_t(1, 3), _t(5)], "cfactor": [1, 3, 5, 0],
+              "levels": [0, 4], "warm_start": [_t(4, 2, 3)]},
+         legal={"tol": [None], "warm_start": [None], "g": [NAN_TENSOR]},
+         check=_halved_states),
+    Case("parlearn.serial_chain.multigrid.layer_parallel.SerialResNet",
+         lambda: dict(stack=_mg_stack()), bad={"stack": MODEL_BAD}),
+    Case("parlearn.serial_chain.multigrid.layer_parallel.LayerParallelResNet",
+         lambda: dict(stack=_mg_stack(), cfactor=2, levels=2, fwd_iters=2, bwd_iters=2,
+                      fwd_tol=None, bwd_tol=None, relax="FCF", warm_start=True, record=True),
+         ranges={"fwd_iters": (1, None), "bwd_iters": (1, None), "fwd_tol": (0.0, None),
+                 "bwd_tol": (0.0, None)},
+         bad={"stack": MODEL_BAD, "cfactor": [1, 3, 8], "levels": [0, 4]},
+         legal={"fwd_tol": [None], "bwd_tol": [None]}),
+    Case("parlearn.serial_chain.multigrid.layer_parallel.mgrit_forward",
+         lambda: dict(stack=_mg_stack(), x0=_t(2, 3), cfactor=2, levels=2, iters=2, tol=None,
+                      relax="FCF", warm_start=None, batched=True, record=True),
+         ranges={"iters": (0, None), "tol": (0.0, None)},
+         bad={"stack": MODEL_BAD, "x0": [_t(2, 4), _t(2, 3).float()], "cfactor": [1, 3],
+              "warm_start": [_t(4, 2, 3)]},
+         legal={"tol": [None], "warm_start": [None], "x0": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.multigrid.layer_parallel.mgrit_adjoint",
+         lambda: dict(stack=_mg_stack(), states=_mg_states(), lam_out=_t(2, 3), cfactor=2,
+                      levels=2, iters=2, tol=None, relax="FCF", batched=True, record=True),
+         ranges={"iters": (0, None), "tol": (0.0, None)},
+         bad={"stack": MODEL_BAD, "states": [_t(4, 2, 3), _t(5)], "lam_out": [_t(2, 4)],
+              "cfactor": [1, 3]},
+         legal={"tol": [None], "states": [NAN_TENSOR], "lam_out": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.multigrid.layer_parallel.serial_adjoint",
+         lambda: dict(stack=_mg_stack(), states=_mg_states(), lam_out=_t(2, 3)),
+         bad={"stack": MODEL_BAD, "states": [_t(4, 2, 3), _t(5)], "lam_out": [_t(2, 4), _t(3)]},
+         legal={"states": [NAN_TENSOR], "lam_out": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.multigrid.layer_parallel.parameter_grads",
+         lambda: dict(stack=_mg_stack(), states=_mg_states(), lams=_t(5, 2, 3)),
+         bad={"stack": MODEL_BAD, "states": [_t(4, 2, 3), _t(5)], "lams": [_t(4, 2, 3)]},
+         legal={"states": [NAN_TENSOR], "lams": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.leapfrog.terms.chain_step",
+         lambda: dict(tape=_tape(), l=1, delta=torch.ones_like(_tape().outs[1])),
+         ranges={"l": (0, len(_tape().layers) - 1)},
+         bad={"tape": ["tape", _deep()], "delta": [_t(5, 99), _t(5)]},
+         legal={"delta": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.leapfrog.terms.weight_grads",
+         lambda: dict(layer=torch.nn.Linear(3, 2, dtype=F64), a=_t(5, 3), delta=_t(5, 2)),
+         bad={"layer": ["layer", torch.nn.LSTM(3, 2)], "a": [_t(5, 4), _t(4, 3)],
+              "delta": [_t(5, 3), _t(4, 2)]},
+         legal={"a": [NAN_TENSOR], "delta": [NAN_TENSOR]}, check=_linear_grads_hold),
+    Case("parlearn.serial_chain.leapfrog.schedules.backward",
+         lambda: dict(tape=_tape(), workers=2, mode="leapfrog", accumulate=True,
+                      threads_per_worker=1),
+         ranges={"workers": (1, None), "threads_per_worker": (1, None)},
+         bad={"tape": ["tape", _deep()]}, legal={"threads_per_worker": [None]}),
+    Case("parlearn.serial_chain.local.net.FeedbackLinear",
+         lambda: dict(in_features=3, out_features=2, feedback="hebbian", init="random", seed=0,
+                      dtype=F64),
+         ranges={"in_features": (1, None), "out_features": (1, None), "seed": (0, None)},
+         bad={"dtype": [torch.int64, "float64"]}),
+    Case("parlearn.serial_chain.local.net.LocalNet",
+         lambda: dict(blocks=list(_local_net().blocks), heads=list(_local_net().heads)),
+         bad={"blocks": [[], "b", ["b"]], "heads": [[], list(_local_net().heads)[:1], ["h", "h"]]}),
+    Case("parlearn.serial_chain.local.net.as_sequential", lambda: dict(net=_local_net()),
+         bad={"net": MODEL_BAD}),
+    Case("parlearn.serial_chain.local.net.feedback_angle", lambda: dict(layer=_fb()),
+         bad={"layer": MODEL_BAD},
+         check=lambda r, kw: None if 0.0 <= r <= 180.0 else pytest.fail(f"angle {r}")),
+    Case("parlearn.serial_chain.local.rules.local_step",
+         lambda: dict(block=_local_net().blocks[0], head=_local_net().heads[0], x=_xy()[0],
+                      y=_xy()[1], lr=0.1, weight_decay=0.0, critic=False),
+         ranges={"weight_decay": (0.0, None)},
+         bad={"block": ["block"], "head": ["head"], "lr": POSITIVE,
+              "x": [_xy()[0][0, 0]], "y": [_xy(4)[1], _t(5)]},
+         legal={"x": [NAN_TENSOR]}),
+    Case("parlearn.serial_chain.local.rules.train",
+         lambda: dict(net=_local_net(), x=_xy()[0], y=_xy()[1], rule="backprop", epochs=1,
+                      batch=5, lr=0.1, weight_decay=0.0, seed=0, order="sequential",
+                      test=None),
+         ranges={"epochs": (1, None), "batch": (1, None), "weight_decay": (0.0, None),
+                 "seed": (0, None)},
+         bad={"net": MODEL_BAD, "rule": ["hebbian"], "lr": POSITIVE, "y": [_xy(4)[1]],
+              "test": [_xy()[0], (_xy()[0], _xy(4)[1]), (_t(5, 4), _xy()[1])]},
+         legal={"test": [None], "x": [NAN_TENSOR]}, run_good=False),
+    Case("parlearn.serial_chain.local.rules.compare_rules",
+         lambda: dict(x=_xy()[0], y=_xy()[1], test=_xy(seed=1), widths=[3, 4, 4], blocks=2,
+                      rules=("backprop",), seeds=(0,), epochs=1, batch=5, lr=0.1,
+                      weight_decay=0.0, dtype=F64, progress=None),
+         ranges={"blocks": (1, 2), "epochs": (1, None), "batch": (1, None),
+                 "weight_decay": (0.0, None)},
+         bad={"rules": [("nope",), "backprop"], "seeds": [(), (-1,), (True,)], "lr": POSITIVE,
+              "widths": BAD_WIDTHS, "dtype": [torch.int64], "progress": [3],
+              "test": [_xy()[0]]},
+         legal={"progress": [None], "x": [NAN_TENSOR]}, run_good=False),
+    Case("parlearn.serial_chain.local.cost.block_costs",
+         lambda: dict(net=_local_net(), x=_xy()[0], y=_xy()[1], repeat=1),
+         ranges={"repeat": (1, None)},
+         bad={"net": MODEL_BAD, "x": [_t(5)], "y": [_xy(4)[1], _t(5)]},
+         legal={"x": [NAN_TENSOR]}, run_good=False),
+    Case("parlearn.many_copies.decoding.strategies.confidence",
+         lambda: dict(probs=torch.softmax(_t(2, 3, 4), -1),
+                      masked=torch.tensor([[True, False, True]] * 2)),
+         bad={"probs": [_t(4), torch.ones(2, 3, 4, dtype=torch.long)],
+              "masked": [torch.ones(2, 3), torch.ones(2, 4, dtype=torch.bool)]},
+         legal={"probs": [NAN_TENSOR]},
+         check=lambda r, kw: torch.testing.assert_close(
+             r[kw["masked"]], kw["probs"].max(-1).values[kw["masked"]])),
+    Case("parlearn.many_copies.diffusion.mdlm_corrupt",
+         lambda: dict(x=torch.tensor([[0, 1, 2], [2, 1, 0]]), mask_id=3, generator=_gen()),
+         ranges={"mask_id": (0, None)},
+         bad={"x": [_t(2, 3), torch.arange(3)], "generator": [0, "g"]}),
+    Case("parlearn.many_copies.diffusion.mdlm_loss", _mdlm_batch,
+         bad={"logits": [_t(2, 3), _t(2, 3, 4).long()],
+              "x": [torch.tensor([[0, 1, 4], [2, 1, 0]]), torch.tensor([[0, -1, 2], [2, 1, 0]]),
+                    torch.zeros(2, 4, dtype=torch.long), _t(2, 3)],
+              "mask": [torch.ones(2, 3), torch.ones(2, 4, dtype=torch.bool)],
+              "t": [torch.zeros(2, 1, dtype=F64), torch.full((2, 1), 1.5, dtype=F64), _t(2)]},
+         legal={"logits": [NAN_TENSOR]}),
+    Case("parlearn.many_copies.diffusion.TinyMDLM",
+         lambda: dict(vocab=5, length=3, width=8, layers=1, heads=2, seed=0),
+         ranges={"vocab": (1, None), "length": (1, None), "layers": (1, None), "seed": (0, None)},
+         bad={"width": [0, 7, -8], "heads": [0, 3]}),
+    Case("parlearn.many_copies.diffusion.PairedPhrase",
+         lambda: dict(slots=3, m=2, shared=False),
+         ranges={"slots": (1, None), "m": (2, None)}),
+    Case("parlearn.many_copies.diffusion.GroupLanguage",
+         lambda: dict(groups=2, size=2, m=3, shared=False, layout="near", peak=None),
+         ranges={"groups": (1, None), "size": (2, None), "m": (2, None)},
+         bad={"peak": [0.2, 1.0, 1.5]}, legal={"peak": [None]}),
+    Case("parlearn.many_copies.diffusion.conditional_distance",
+         lambda: dict(model=_tiny_mdlm(), lang=_phrase(), n=4, seed=1),
+         ranges={"n": (1, None), "seed": (0, None)},
+         bad={"model": ["model"], "lang": ["lang", 3]}, run_good=False),
+    Case("parlearn.many_copies.diffusion.train_mdlm",
+         lambda: dict(lang=_phrase(), steps=1, batch=2, lr=1e-3, width=8, seed=0,
+                      device="cpu", progress=False),
+         ranges={"steps": (1, None), "batch": (1, None), "seed": (0, None)},
+         bad={"lang": ["lang"], "lr": POSITIVE, "width": [0, 3], "progress": [3, "yes"]},
+         skip={"device": "any device torch accepts"}, run_good=False),
+    Case("parlearn.many_copies.dither.demodulation.relu_spectrum",
+         lambda: dict(offset=0.0, amplitude=1.0, cycles=2, samples=16, noise="uniform",
+                      scale=0.5, copies=2, seed=0),
+         ranges={"cycles": (1, 2), "samples": (16, None), "copies": (1, None),
+                 "seed": (0, None)},
+         bad={"amplitude": [0.0, -1.0], "scale": [0.0, -0.5], "noise": ["pink"]}),
+    Case("parlearn.many_copies.dither.gradients.parallel_grad",
+         lambda: dict(model=_neq_net(), loss_fn=_ce(), x=_xy()[0], y=_xy()[1], copies=2,
+                      dither="uniform", scale=0.1, dropout=None, generator=_gen(), noise=None,
+                      max_rows=16384),
+         ranges={"copies": (1, None), "max_rows": (1, None)},
+         bad={"model": ["model"], "loss_fn": ["ce"], "y": [_xy(4)[1]],
+              "scale": [0.0, -0.1], "dropout": [-0.1, 1.0], "generator": [0, "g"],
+              "noise": ["n", _noise(3)]},
+         legal={"dropout": [None], "generator": [None], "noise": [None], "x": [NAN_TENSOR]}),
+    Case("parlearn.many_copies.dither.gradients.sequential_grad",
+         lambda: dict(model=_neq_net(), loss_fn=_ce(), x=_xy()[0], y=_xy()[1], noise=_noise()),
+         bad={"model": ["model"], "loss_fn": ["ce"], "y": [_xy(4)[1]], "x": [_t(4, 3)],
+              "noise": ["n", None]},
+         legal={"x": [NAN_TENSOR]}),
+    Case("parlearn.many_copies.dither.gradients.grad_variance",
+         lambda: dict(model=_neq_net(), loss_fn=_ce(), x=_xy()[0], y=_xy()[1], copies=2,
+                      draws=2, dither="uniform", scale=0.1, dropout=None, seed=0, threads=1),
+         ranges={"copies": (1, None), "draws": (2, None), "seed": (0, None),
+                 "threads": (1, None)},
+         bad={"model": ["model"], "loss_fn": ["ce"], "y": [_xy(4)[1]],
+              "scale": [0.0, -0.1], "dropout": [-0.1, 1.0]},
+         legal={"dropout": [None], "threads": [None], "x": [NAN_TENSOR]}, run_good=False),
+    Case("parlearn.elsewhere.value.dqn.DQNConfig",
+         lambda: dict(variant="dqn", env_steps=100, num_envs=2, max_steps=20, hidden=4,
+                      lr=1e-3, gamma=0.99, batch=8, learn_start=10, eps_end=0.05, tau=0.02,
+                      beta=0.5, ebu_episodes=2, ls_every=10, ls_size=50, ls_lam=1.0, nu=1.0),
+         ranges={"env_steps": (1, None), "num_envs": (1, None), "max_steps": (1, None),
+                 "hidden": (1, None), "gamma": (0.0, 1.0), "batch": (1, None),
+                 "learn_start": (0, None), "eps_end": (0.0, 1.0), "beta": (0.0, 1.0),
+                 "ebu_episodes": (1, None), "ls_every": (1, None), "ls_size": (1, None)},
+         bad={"lr": POSITIVE, "tau": OPEN_BOTH, "ls_lam": POSITIVE, "nu": POSITIVE},
+         legal={"nu": [math.inf]}),
+    Case("parlearn.elsewhere.value.dqn.QNet",
+         lambda: dict(obs_dim=4, n_actions=2, hidden=3, generator=_gen()),
+         ranges={"obs_dim": (1, None), "n_actions": (1, None), "hidden": (1, None)},
+         bad={"generator": [0, "g", None]}),
+    Case("parlearn.elsewhere.value.dqn.returns_vs_steps",
+         lambda: dict(results=_dqn_results(), bins=4), ranges={"bins": (1, None)},
+         bad={"results": [[], "r", [3], _dqn_results((100, 200))]},
+         check=lambda r, kw: np.testing.assert_allclose(
+             r["mean"], [1.0, np.nan, np.nan, 3.0][:kw["bins"]]) if kw["bins"] == 4 else None),
+    Case("parlearn.elsewhere.value.speed.ebu_speed",
+         lambda: dict(episodes=[1, 2], length=4, repeat=1, seed=0, beta=0.5, gamma=0.9,
+                      threads=1),
+         ranges={"length": (2, None), "repeat": (1, None), "seed": (0, None),
+                 "beta": (0.0, 1.0), "gamma": (0.0, 1.0), "threads": (1, None)},
+         bad={"episodes": [[], [0], [True], 2, "12"]}, legal={"threads": [None]},
+         run_good=False),
+    Case("parlearn.many_copies.dither.regimes.summarise", lambda: dict(results=_histories()),
+         bad={"results": [{}, [], {"a": []}, {"a": ["h"]}]},
+         check=lambda r, kw: (math.isclose(r["a"]["mean"], 0.85)
+                              or pytest.fail(f"mean {r['a']['mean']}"))),
+    Case("parlearn.many_copies.dither.regimes.paired_difference",
+         lambda: dict(results=_histories(), a="a", b="b"),
+         bad={"results": [{}, {"a": []}], "a": ["c"], "b": ["c"]},
+         check=lambda r, kw: (math.isclose(r["mean"], 0.2) and r["n"] == 2
+                              or pytest.fail(f"{r}"))),
+    Case("parlearn.many_copies.decoding.measure.best_setting",
+         lambda: dict(rows=_sweep_rows(), target=0.99), ranges={"target": (0.0, 1.0)},
+         bad={"rows": [[], "r", [(1, 2, 3)], [({}, _sweep_rows()[0][1], 1.5)]]}),
+    Case("parlearn.many_copies.decoding.measure.format_family_table",
+         lambda: dict(rows=[_family_row()]),
+         bad={"rows": ["r", [{}], [3]]}),
+    Case("parlearn.many_copies.dither.regimes.train",
+         lambda: dict(regime="batch", data=_split(), epochs=1, lr=0.05, hidden=3, batch_size=3,
+                      copies=None, dither=None, scale=0.0, dropout=None, seed=0,
+                      progress=False),
+         ranges={"epochs": (1, None), "hidden": (1, None), "batch_size": (1, None),
+                 "seed": (0, None)},
+         bad={"regime": ["batches"], "data": ["d", _xy()], "lr": POSITIVE, "copies": [4],
+              "dither": ["pink"], "scale": [-0.1, 0.3], "dropout": [-0.1, 1.0]},
+         legal={"copies": [None], "dither": [None], "dropout": [None]}),
+    Case("parlearn.many_copies.dither.regimes.compare_regimes",
+         lambda: dict(data=_split(), epochs=1, batch_size=3, copies=2, noises=None, lr=0.05,
+                      hidden=3, seeds=(0,), progress=None, threads=1),
+         ranges={"epochs": (1, None), "batch_size": (1, None), "copies": (1, None),
+                 "hidden": (1, None), "threads": (1, None)},
+         bad={"data": ["d"], "noises": [{}, {"x": {"dither": "pink", "scale": 0.1}},
+                                        {"x": {"scale": 0.1}}, {"x": {"colour": 1}}, "n"],
+              "lr": POSITIVE, "seeds": [(), (-1,), (True,)], "progress": [3]},
+         legal={"noises": [None], "progress": [None], "threads": [None]}, run_good=False),
+    Case("parlearn.many_copies.dither.regimes.throughput",
+         lambda: dict(model=_neq_net(), loss_fn=_ce(), x=_xy()[0], y=_xy()[1],
+                      copies_list=[1, 2], dither="gaussian", scale=0.1, dropout=None, repeat=1,
+                      device="cpu", threads=1),
+         ranges={"repeat": (1, None), "threads": (1, None)},
+         bad={"model": ["model"], "loss_fn": ["ce"], "y": [_xy(4)[1]],
+              "copies_list": [[], [0], [True], 2, [2.0]], "dither": ["pink"],
+              "scale": [0.0, -0.1], "dropout": [-0.1, 1.0]},
+         legal={"dither": [None], "dropout": [None], "threads": [None], "x": [NAN_TENSOR]},
+         skip={"device": "any device torch accepts"}, run_good=False),
+    Case("parlearn.serial_chain.repurpose.assign_groups",
+         lambda: dict(net=_relu_net(), k=2, energy=_energy(), sweeps=1, restarts=2, seed=0),
+         ranges={"sweeps": (0, None), "restarts": (1, None), "seed": (0, None)},
+         bad={"net": MODEL_BAD, "k": [3, 0], "energy": [None, _energy()[:2], "e",
+                                                        [-e for e in _energy()]]},
+         check=lambda r, kw: None if all(b <= a + 1e-12 for a, b in zip(r[1], r[1][1:],
+                                                                         strict=False))
+         else pytest.fail(f"off-block share rose: {r[1]}")),
+    Case("parlearn.serial_chain.repurpose.tradeoff",
+         lambda: dict(net=_relu_net(), data=_split(), k=2, prunes=[0.0, 0.5],
+                      permute_first=True, refit=True, sweeps=1),
+         ranges={"sweeps": (0, None)},
+         bad={"net": MODEL_BAD, "data": ["d", _xy()], "k": [3, 0],
+              "prunes": [[], [1.5], [-0.1], [True], 0.5]}),
+    Case("parlearn.serial_chain.repurpose.digits_mlp",
+         lambda: dict(hidden=4, depth=1, steps=0, lr=0.01, seed=0, n_train=None),
+         ranges={"hidden": (1, None), "depth": (1, None), "steps": (0, None), "seed": (0, None)},
+         bad={"lr": POSITIVE}, legal={"n_train": [None]}, run_good=False),
+    Case("parlearn.serial_chain.duality.train",
+         lambda: dict(m=_t(3, 4), lam=0.1, depth=2, branches=2, width=2, reg="parallel",
+                      steps=2, lr=0.05, scale=0.5, seed=0, record_every=1, progress=None),
+         ranges={"lam": (0.0, None), "depth": (2, None), "branches": (1, None),
+                 "width": (1, None), "steps": (1, None), "scale": (0.0, None),
+                 "seed": (0, None), "record_every": (1, None)},
+         bad={"m": [_t(3), _t(2, 2, 2)], "reg": ["l2"], "lr": POSITIVE, "progress": [3]},
+         legal={"width": [None], "progress": [None]}),
+    Case("parlearn.serial_chain.duality.gap_table",
+         lambda: dict(m=_t(3, 4), lam=0.1, depths=[2], branch_counts=[1], seeds=(0,), steps=2,
+                      lr=0.05, width=2, progress=None),
+         ranges={"lam": (0.0, None), "steps": (1, None), "width": (1, None)},
+         bad={"m": [_t(3)], "depths": [[], [1], [True], 2], "branch_counts": [[], [0], 1],
+              "seeds": [(), (-1,), 0], "lr": POSITIVE, "progress": [3]},
+         legal={"width": [None], "progress": [None]}),
+    Case("parlearn.serial_chain.strads.cost.timed_runs",
+         lambda: dict(zip(("x", "y"), _lasso(), strict=True), alpha=0.1, f_star=1.0, workers=2,
+                      rounds=2, world_size=2, rho=0.5, seed=0, sklearn_epochs=(1,), repeat=1),
+         ranges={"workers": (1, 4), "rounds": (0, None), "world_size": (1, 12),
+                 "seed": (0, None), "repeat": (1, None)},
+         bad={"alpha": POSITIVE, "f_star": [0.0], "rho": OPEN_UNIT,
+              "sklearn_epochs": [(), (0,), (True,), 1, (1.5,)], "x": [_t(12)],
+              "y": [_t(11)]},
+         run_good=False),  # gloo ranks and scikit-learn fits: seconds
+    Case("parlearn.serial_chain.multigrid.cost.calibrate",
+         lambda: dict(stack=_mg_stack(), x0=_t(2, 3), cfactor=2, levels=2, repeat=1, threads=1),
+         ranges={"repeat": (1, None), "threads": (1, None)},
+         bad={"stack": MODEL_BAD, "x0": [_t(2, 4), _t(2, 3).float()], "cfactor": [1, 3, 8],
+              "levels": [0, 4]},
+         legal={"threads": [None], "x0": [NAN_TENSOR]}, run_good=False),
+    Case("parlearn.serial_chain.multigrid.layer_parallel.train_digits",
+         lambda: dict(parallel=True, data=_split(), layers=4, width=3, steps=1, lr=0.01,
+                      cfactor=2, levels=2, iters=1, relax="FCF", seed=0, progress=False),
+         ranges={"layers": (1, None), "width": (1, None), "steps": (1, None),
+                 "iters": (1, None), "seed": (0, None)},
+         bad={"data": ["d", _xy()], "lr": POSITIVE, "cfactor": [1, 3], "levels": [0, 4],
+              "relax": ["FF"]},
+         run_good=False),
+    Case("parlearn.many_copies.replicas.runs.instant_learning",
+         lambda: dict(data=_split(), replicas_list=[1, 2], epochs=1, hidden=3, lr=0.3,
+                      batch_size=3, bootstrap="resample", shared_init=False, looped=False,
+                      seed=0, threads=1, progress=None),
+         ranges={"epochs": (1, None), "hidden": (1, None), "batch_size": (1, None),
+                 "seed": (0, None), "threads": (1, None)},
+         bad={"data": ["d", _xy()], "replicas_list": [[], [0], [True], 2, "12"],
+              "lr": POSITIVE, "bootstrap": ["shift"], "progress": [3]},
+         legal={"threads": [None], "progress": [None]}, run_good=False),
+    Case("parlearn.many_copies.replicas.runs.throughput",
+         lambda: dict(data=_split(), replicas_list=[1, 2], steps=2, hidden=3, batch_size=3,
+                      repeat=1, threads=1),
+         ranges={"steps": (1, 2), "hidden": (1, None), "batch_size": (1, 3),
+                 "repeat": (1, None), "threads": (1, None)},
+         bad={"data": ["d", _xy()], "replicas_list": [[], [0], [True], 2, "12"]},
+         legal={"threads": [None]}, run_good=False),
+    # decoding with torch strategies only (mean field's kernel starts JAX: test_contract_jax)
+    Case("parlearn.many_copies.decoding.loop.decode",
+         lambda: dict(denoiser=_phrase().denoiser, length=_phrase().length, batch=2,
+                      mask_id=_phrase().mask_id, strategy="threshold", prompt=None,
+                      generator=_gen(), device=None, max_passes=50, tau=0.5),
+         ranges={"batch": (1, None)},
+         bad={"denoiser": [3], "mask_id": [-1], "strategy": ["sequential"], "length": [0, -1],
+              "max_passes": [0, -1],
+              "prompt": [torch.zeros(3, dtype=torch.long), _t(_phrase().length),
+                         torch.full((_phrase().length,), -1)],
+              "generator": [0, "g"], "tau": [0.0, 1.0, -0.5, 1.5]},
+         legal={"prompt": [None], "generator": [None], "max_passes": [None]},
+         skip={"device": "any device torch accepts (default: the denoiser's)"},
+         check=lambda r, kw: None if bool((r.tokens != kw["mask_id"]).all())
+         else pytest.fail("tokens left masked")),
+    Case("parlearn.many_copies.decoding.measure.sweep",
+         lambda: dict(denoiser=_phrase().denoiser, lang=_phrase(), strategy="fixed_k",
+                      grid=[{"k": 1}, {"k": 2}], batch=2, seed=0, device=None),
+         ranges={"batch": (1, None), "seed": (0, None)},
+         bad={"denoiser": [3], "lang": ["lang", 3], "strategy": ["threshold"],
+              "grid": [[], {"k": 1}, [{"k": 0}], [{"tau": 0.5}], ["k"]]},
+         skip={"device": "any device torch accepts (default: the denoiser's)"}),
 ]
 
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
@@ -645,6 +1167,9 @@ _STRADS = "tests/serial_chain/test_strads.py::"
 _REPURPOSE = "tests/serial_chain/test_repurpose.py::"
 _LOCAL = "tests/serial_chain/test_local.py::"
 COVERED_ELSEWHERE: dict[str, str | list[str]] = {
+    # a dataclass users build through Equilibrium.start (a classmethod the harness cannot name)
+    "parlearn.serial_chain.neq.equilibrium.Equilibrium":
+        "tests/serial_chain/test_neq.py::test_equilibrium_refuses_bad_outputs_naming_them",
     "parlearn.serial_chain.strads.ranks.run_ranks": [
         _STRADS + "test_run_ranks_refuses_every_bad_argument_before_any_rank_starts",
         _STRADS + "test_two_ranks_equal_one_process"],
@@ -663,159 +1188,64 @@ COVERED_ELSEWHERE: dict[str, str | list[str]] = {
         _LOCAL + "test_run_local_refuses_every_bad_argument_before_any_rank_starts",
         _LOCAL + "test_multi_rank_run_equals_single_process"],
 }
-EXEMPT: dict[str, str] = {}
+EXEMPT: dict[str, str] = {
+    "parlearn.elsewhere.filters.World":
+        "a record make_world builds; every function taking one checks it is a World",
+    "parlearn.elsewhere.filters.bench":
+        "a bench entry that python -m parlearn.bench runs with its own checked device and quick",
+    "parlearn.elsewhere.value.speed.bench":
+        "a bench entry that python -m parlearn.bench runs with its own checked device and quick",
+    "parlearn.many_copies.decoding.measure.bench":
+        "a bench entry that python -m parlearn.bench runs with its own checked device and quick",
+    "parlearn.many_copies.dither.regimes.bench":
+        "a bench entry that python -m parlearn.bench runs with its own checked device and quick",
+    "parlearn.many_copies.eigengame.speed.bench":
+        "a bench entry that python -m parlearn.bench runs with its own checked device and quick",
+    "parlearn.many_copies.qd.throughput.bench":
+        "a bench entry that python -m parlearn.bench runs with its own checked device and quick",
+    "parlearn.many_copies.replicas.runs.bench":
+        "a bench entry that python -m parlearn.bench runs with its own checked device and quick",
+    "parlearn.many_copies.rl.throughput.bench":
+        "a bench entry that python -m parlearn.bench runs with its own checked device and quick",
+    "parlearn.serial_chain.leapfrog.cost.bench":
+        "a bench entry that python -m parlearn.bench runs with its own checked device and quick",
+    "parlearn.serial_chain.local.cost.bench":
+        "a bench entry that python -m parlearn.bench runs with its own checked device and quick",
+    "parlearn.serial_chain.multigrid.cost.bench":
+        "a bench entry that python -m parlearn.bench runs with its own checked device and quick",
+    "parlearn.serial_chain.neq.training.bench":
+        "a bench entry that python -m parlearn.bench runs with its own checked device and quick",
+    "parlearn.serial_chain.strads.cost.bench":
+        "a bench entry that python -m parlearn.bench runs with its own checked device and quick",
+    "parlearn.many_copies.diffusion.language_family":
+        "takes no arguments, returns the fixed family of languages",
+    "parlearn.elsewhere.value.dqn.DQNResult":
+        "a record train() returns; users only read its fields",
+    "parlearn.many_copies.decoding.loop.DecodeResult":
+        "a record decode() returns; users only read its fields",
+    "parlearn.many_copies.dither.regimes.History":
+        "a per-epoch record train() fills; users only read it",
+    "parlearn.serial_chain.duality.TrainResult":
+        "a record duality.train() returns; users only read its fields",
+    "parlearn.serial_chain.local.rules.LocalRun":
+        "a record run_local() returns; users only read its fields",
+    "parlearn.serial_chain.local.rules.TrainResult":
+        "a record local train() returns; users only read its fields",
+    "parlearn.serial_chain.multigrid.solver.MGRITResult":
+        "a record mgrit() returns; users only read its fields",
+    "parlearn.serial_chain.multigrid.solver.ConvergenceWarning":
+        "a warning class mgrit() emits; it takes no arguments of its own",
+    "parlearn.serial_chain.neq.training.NEqRun":
+        "a per-epoch record neq train() fills; users only read it",
+    "parlearn.serial_chain.strads.solver.LassoRun":
+        "a record solve() and the ranks return; users only read its fields",
+    "parlearn.elsewhere.value.backups.TSoftState":
+        "state that the TSoft backup builds and updates itself; users only read it",
+    "parlearn.serial_chain.leapfrog.terms.Tape":
+        "what the forward pass stores for the backward schedules; built only by the library",
+    "parlearn.many_copies.dither.noise.Noise":
+        "built by draw_noise (covered above); its apply() checks x, start and stop itself",
+}
 
 # Public callables whose contract test is still to be written (test_completeness: only shrinks).
-PENDING = [
-    "parlearn.elsewhere.filters.DMUNet",
-    "parlearn.elsewhere.filters.World",
-    "parlearn.elsewhere.filters.bench",
-    "parlearn.elsewhere.filters.expected_scans",
-    "parlearn.elsewhere.filters.grid_filter",
-    "parlearn.elsewhere.filters.net_log_likelihood",
-    "parlearn.elsewhere.filters.net_log_likelihood_looped",
-    "parlearn.elsewhere.filters.particle_filter",
-    "parlearn.elsewhere.filters.simulate",
-    "parlearn.elsewhere.filters.throughput",
-    "parlearn.elsewhere.filters.tracking_error",
-    "parlearn.elsewhere.filters.train_dmu",
-    "parlearn.elsewhere.value.backups.TSoftState",
-    "parlearn.elsewhere.value.dqn.DQNConfig",
-    "parlearn.elsewhere.value.dqn.DQNResult",
-    "parlearn.elsewhere.value.dqn.QNet",
-    "parlearn.elsewhere.value.dqn.compare_variants",
-    "parlearn.elsewhere.value.dqn.returns_vs_steps",
-    "parlearn.elsewhere.value.dqn.train",
-    "parlearn.elsewhere.value.speed.bench",
-    "parlearn.elsewhere.value.speed.ebu_speed",
-    "parlearn.many_copies.decoding.loop.DecodeResult",
-    "parlearn.many_copies.decoding.loop.decode",
-    "parlearn.many_copies.decoding.mean_field.auto_tau",
-    "parlearn.many_copies.decoding.mean_field.coupling_matrix",
-    "parlearn.many_copies.decoding.mean_field.mean_field_commit",
-    "parlearn.many_copies.decoding.mean_field.overlap_coupling",
-    "parlearn.many_copies.decoding.mean_field.overlap_coupling_dense",
-    "parlearn.many_copies.decoding.measure.bench",
-    "parlearn.many_copies.decoding.measure.best_setting",
-    "parlearn.many_copies.decoding.measure.family_table",
-    "parlearn.many_copies.decoding.measure.format_family_table",
-    "parlearn.many_copies.decoding.measure.sweep",
-    "parlearn.many_copies.decoding.strategies.confidence",
-    "parlearn.many_copies.diffusion.GroupLanguage",
-    "parlearn.many_copies.diffusion.PairedPhrase",
-    "parlearn.many_copies.diffusion.TinyMDLM",
-    "parlearn.many_copies.diffusion.conditional_distance",
-    "parlearn.many_copies.diffusion.language_family",
-    "parlearn.many_copies.diffusion.mdlm_corrupt",
-    "parlearn.many_copies.diffusion.mdlm_loss",
-    "parlearn.many_copies.diffusion.train_mdlm",
-    "parlearn.many_copies.dither.demodulation.relu_spectrum",
-    "parlearn.many_copies.dither.gradients.grad_variance",
-    "parlearn.many_copies.dither.gradients.parallel_grad",
-    "parlearn.many_copies.dither.gradients.sequential_grad",
-    "parlearn.many_copies.dither.noise.Noise",
-    "parlearn.many_copies.dither.regimes.History",
-    "parlearn.many_copies.dither.regimes.bench",
-    "parlearn.many_copies.dither.regimes.compare_regimes",
-    "parlearn.many_copies.dither.regimes.paired_difference",
-    "parlearn.many_copies.dither.regimes.summarise",
-    "parlearn.many_copies.dither.regimes.throughput",
-    "parlearn.many_copies.dither.regimes.train",
-    "parlearn.many_copies.eigengame.devices.collective_bytes",
-    "parlearn.many_copies.eigengame.devices.compare_sharded",
-    "parlearn.many_copies.eigengame.devices.run_with_devices",
-    "parlearn.many_copies.eigengame.game.direction",
-    "parlearn.many_copies.eigengame.game.minibatch_bias",
-    "parlearn.many_copies.eigengame.game.update",
-    "parlearn.many_copies.eigengame.inputs.abs_cosines",
-    "parlearn.many_copies.eigengame.inputs.init_vectors",
-    "parlearn.many_copies.eigengame.inputs.longest_streak",
-    "parlearn.many_copies.eigengame.inputs.synthetic_data",
-    "parlearn.many_copies.eigengame.inputs.top_eigenvectors",
-    "parlearn.many_copies.eigengame.speed.bench",
-    "parlearn.many_copies.eigengame.speed.sharded_throughput",
-    "parlearn.many_copies.eigengame.speed.throughput",
-    "parlearn.many_copies.eigengame.training.fit",
-    "parlearn.many_copies.eigengame.training.fit_sharded",
-    "parlearn.many_copies.qd.qdax_engine.qdax_map_elites",
-    "parlearn.many_copies.qd.search.Archive",
-    "parlearn.many_copies.qd.search.MapElitesResult",
-    "parlearn.many_copies.qd.search.Task",
-    "parlearn.many_copies.qd.search.arm_task",
-    "parlearn.many_copies.qd.search.cell_index",
-    "parlearn.many_copies.qd.search.empty_archive",
-    "parlearn.many_copies.qd.search.insert",
-    "parlearn.many_copies.qd.search.insert_loop",
-    "parlearn.many_copies.qd.search.isoline_variation",
-    "parlearn.many_copies.qd.search.map_elites",
-    "parlearn.many_copies.qd.search.qd_metrics",
-    "parlearn.many_copies.qd.search.rastrigin_task",
-    "parlearn.many_copies.qd.search.score_batch",
-    "parlearn.many_copies.qd.search.score_loop",
-    "parlearn.many_copies.qd.throughput.bench",
-    "parlearn.many_copies.qd.throughput.evals_per_second",
-    "parlearn.many_copies.replicas.runs.bench",
-    "parlearn.many_copies.replicas.runs.instant_learning",
-    "parlearn.many_copies.replicas.runs.throughput",
-    "parlearn.many_copies.rl.advantages.gae",
-    "parlearn.many_copies.rl.advantages.gae_loop",
-    "parlearn.many_copies.rl.envs.Env",
-    "parlearn.many_copies.rl.envs.batch_reset",
-    "parlearn.many_copies.rl.envs.batch_step",
-    "parlearn.many_copies.rl.envs.cartpole",
-    "parlearn.many_copies.rl.envs.gymnax_env",
-    "parlearn.many_copies.rl.envs.step_loop",
-    "parlearn.many_copies.rl.policy.init_policy",
-    "parlearn.many_copies.rl.policy.policy_logits_value",
-    "parlearn.many_copies.rl.ppo.PPOConfig",
-    "parlearn.many_copies.rl.ppo.PPOResult",
-    "parlearn.many_copies.rl.ppo.evaluate",
-    "parlearn.many_copies.rl.ppo.time_to_target",
-    "parlearn.many_copies.rl.ppo.train_ppo",
-    "parlearn.many_copies.rl.throughput.bench",
-    "parlearn.many_copies.rl.throughput.env_steps_per_second",
-    "parlearn.serial_chain.duality.TrainResult",
-    "parlearn.serial_chain.duality.gap_table",
-    "parlearn.serial_chain.duality.train",
-    "parlearn.serial_chain.leapfrog.cost.bench",
-    "parlearn.serial_chain.leapfrog.schedules.backward",
-    "parlearn.serial_chain.leapfrog.terms.Tape",
-    "parlearn.serial_chain.leapfrog.terms.chain_step",
-    "parlearn.serial_chain.leapfrog.terms.weight_grads",
-    "parlearn.serial_chain.local.cost.bench",
-    "parlearn.serial_chain.local.cost.block_costs",
-    "parlearn.serial_chain.local.net.FeedbackLinear",
-    "parlearn.serial_chain.local.net.LocalNet",
-    "parlearn.serial_chain.local.net.as_sequential",
-    "parlearn.serial_chain.local.net.feedback_angle",
-    "parlearn.serial_chain.local.rules.LocalRun",
-    "parlearn.serial_chain.local.rules.TrainResult",
-    "parlearn.serial_chain.local.rules.compare_rules",
-    "parlearn.serial_chain.local.rules.local_step",
-    "parlearn.serial_chain.local.rules.train",
-    "parlearn.serial_chain.multigrid.cost.bench",
-    "parlearn.serial_chain.multigrid.cost.calibrate",
-    "parlearn.serial_chain.multigrid.layer_parallel.LayerParallelResNet",
-    "parlearn.serial_chain.multigrid.layer_parallel.SerialResNet",
-    "parlearn.serial_chain.multigrid.layer_parallel.mgrit_adjoint",
-    "parlearn.serial_chain.multigrid.layer_parallel.mgrit_forward",
-    "parlearn.serial_chain.multigrid.layer_parallel.parameter_grads",
-    "parlearn.serial_chain.multigrid.layer_parallel.serial_adjoint",
-    "parlearn.serial_chain.multigrid.layer_parallel.train_digits",
-    "parlearn.serial_chain.multigrid.solver.ConvergenceWarning",
-    "parlearn.serial_chain.multigrid.solver.MGRITResult",
-    "parlearn.serial_chain.multigrid.solver.mgrit",
-    "parlearn.serial_chain.multigrid.solver.residual",
-    "parlearn.serial_chain.multigrid.stack.ResidualStack",
-    "parlearn.serial_chain.multigrid.stack.conv_tanh",
-    "parlearn.serial_chain.multigrid.stack.dense_tanh",
-    "parlearn.serial_chain.neq.equilibrium.Equilibrium",
-    "parlearn.serial_chain.neq.training.NEqRun",
-    "parlearn.serial_chain.neq.training.bench",
-    "parlearn.serial_chain.repurpose.assign_groups",
-    "parlearn.serial_chain.repurpose.digits_mlp",
-    "parlearn.serial_chain.repurpose.tradeoff",
-    "parlearn.serial_chain.strads.cost.bench",
-    "parlearn.serial_chain.strads.cost.timed_runs",
-    "parlearn.serial_chain.strads.solver.LassoRun",
-]
+PENDING: list[str] = []

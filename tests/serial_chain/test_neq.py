@@ -1,6 +1,8 @@
 """Tests of parlearn.neq: the equilibrium test by hand, the skipping backward against the
 reference, frozen rows untouched, eps = 0 is plain training, counted FLOPs = the model."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -291,3 +293,21 @@ def test_empty_validation_set_is_refused():
         neq.train(net, x, y, x[:0], epochs=2, eps=0.1)
     with pytest.raises(ValueError, match="x"):
         neq.train(net, x[:0], y[:0], x, epochs=2, eps=0.1)
+
+
+def test_equilibrium_refuses_bad_outputs_naming_them():
+    """start() and update() check outputs (layers of (examples, neurons) floats; update:
+    the same layers and shapes as before), eps and mu, before any state changes."""
+    good = [torch.rand(4, 3, dtype=torch.float64)]
+    for bad in ([], "o", [torch.rand(4)], [torch.arange(4).reshape(2, 2)]):
+        with pytest.raises((TypeError, ValueError), match="outputs"):
+            neq.Equilibrium.start(bad, eps=0.1, mu=0.5)
+    for name, kw in (("eps", dict(eps=-0.1, mu=0.5)), ("mu", dict(eps=0.1, mu=1.5)),
+                     ("eps", dict(eps=math.nan, mu=0.5)), ("mu", dict(eps=0.1, mu=True))):
+        with pytest.raises((TypeError, ValueError), match=name):
+            neq.Equilibrium.start(good, **kw)
+    state = neq.Equilibrium.start(good, eps=0.1, mu=0.5)
+    for bad in ([], good * 2, [torch.rand(4, 2, dtype=torch.float64)]):
+        with pytest.raises((TypeError, ValueError), match="outputs"):
+            state.update(bad)
+    assert state.outputs is good  # nothing changed by the refused updates

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from parlearn.core.checks import check_choice, check_float, check_int, check_seed
+from parlearn.core.checks import check_callable, check_choice, check_float, check_int, check_seed
 from parlearn.core.device import threads as _threads
 from parlearn.elsewhere.value.backups import (
     ebu_targets,
@@ -102,6 +102,10 @@ class QNet(torch.nn.Module):
     the ``phi`` LS-DQN re-fits the ``head`` on."""
 
     def __init__(self, obs_dim: int, n_actions: int, hidden: int, generator: torch.Generator):
+        for name, v in (("obs_dim", obs_dim), ("n_actions", n_actions), ("hidden", hidden)):
+            check_int(name, v, lo=1)
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
         super().__init__()
         with torch.random.fork_rng(devices=[]):  # nn.Linear's own init draws from the global RNG
             self._build(obs_dim, n_actions, hidden)
@@ -204,6 +208,15 @@ def _ls_refit(cfg: DQNConfig, replay: _Replay, net: QNet, target: QNet) -> None:
         net.head.bias.copy_(w[:, -1])
 
 
+def _check_run(config, progress, threads) -> None:
+    if not isinstance(config, DQNConfig):
+        raise TypeError(f"config must be a DQNConfig, got {type(config).__name__}")
+    if progress is not None:
+        check_callable("progress", progress)
+    if threads is not None:
+        check_int("threads", threads, lo=1)
+
+
 def train(config: DQNConfig, seed: int = 0,
           progress: Callable[[float], None] | None = None, threads: int | None = 1) -> DQNResult:
     """Train one agent on ``parlearn.rl.cartpole(config.max_steps)`` with ``num_envs``
@@ -214,6 +227,8 @@ def train(config: DQNConfig, seed: int = 0,
     after (``None``: as they are); 1 by default because this network's ops are tiny and,
     on shared cores, a second thread's spin-waits made them ~100x slower here.
     """
+    _check_run(config, progress, threads)
+    seed = check_int("seed", seed, lo=0)
     if threads is None:
         return _train(config, seed, progress)
     with _threads(check_int("threads", threads, lo=1)):
@@ -287,8 +302,14 @@ def returns_vs_steps(results: list[DQNResult], bins: int = 10) -> dict:
     over runs: ``{"steps" (window ends), "per_run" (runs x bins, NaN where no episode
     ended), "mean", "min", "max"}`` (over runs, ignoring empty windows)."""
     check_int("bins", bins, lo=1)
-    if not results:
-        raise ValueError("results must hold at least one run")
+    if not isinstance(results, list | tuple) or not results:
+        raise ValueError(f"results must be a non-empty list of DQNResult, got {results!r:.80}")
+    for r in results:
+        if not isinstance(r, DQNResult):
+            raise TypeError(f"results must hold DQNResult, got {type(r).__name__}")
+    if len({r.config.env_steps for r in results}) != 1:
+        raise ValueError("results must share one config.env_steps (the windows are of it), "
+                         f"got {sorted({r.config.env_steps for r in results})}")
     total = results[0].config.env_steps
     edges = np.linspace(0, total, bins + 1)
     per_run = np.full((len(results), bins), np.nan)
@@ -310,6 +331,9 @@ def compare_variants(variants=VARIANTS, seeds=(0, 1), config: DQNConfig | None =
                      threads: int | None = 1) -> dict:
     """``{variant: [DQNResult per seed]}``: every variant with the same sizes and seeds."""
     base = DQNConfig() if config is None else config
+    _check_run(base, progress, threads)
+    if isinstance(variants, str) or isinstance(seeds, int):
+        raise TypeError(f"variants and seeds must be lists, got {variants!r} and {seeds!r}")
     variants = [check_choice("variants[i]", v, VARIANTS) for v in variants]
     seeds = [check_int("seeds[i]", s, lo=0) for s in seeds]
     if not variants or not seeds:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from parlearn.core.checks import check_int
+from parlearn.core.checks import check_float, check_int, check_seed
 from parlearn.elsewhere.value.backups import ebu_targets
 
 __all__ = ["random_episodes", "ebu_speed", "bench"]
@@ -61,9 +61,16 @@ def ebu_speed(episodes, length: int = 100, *, repeat: int = 5, seed: int = 0,
     """
     from parlearn.core.timing import sweep
 
+    if not isinstance(episodes, list | tuple) or not episodes:
+        raise TypeError(f"episodes must be a non-empty list of sizes >= 1, got {episodes!r}")
     sizes = [check_int("episodes[i]", b, lo=1) for b in episodes]
-    if not sizes:
-        raise ValueError("episodes must hold at least one size")
+    check_int("length", length, lo=2)
+    check_int("repeat", repeat, lo=1)
+    check_seed("seed", seed)
+    check_float("beta", beta, lo=0, hi=1)
+    check_float("gamma", gamma, lo=0, hi=1)
+    if threads is not None:
+        check_int("threads", threads, lo=1)
     data = {b: random_episodes(b, length, seed=seed) for b in sizes}
     out = sweep(sizes, lambda b: _calls(data[b], beta, gamma), repeat=repeat, threads=threads)
     out["modeled"] = [sum(len(e["rewards"]) for e in data[b])

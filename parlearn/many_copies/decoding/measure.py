@@ -11,7 +11,7 @@ from functools import partial
 import torch
 
 from parlearn.core.bench import Row
-from parlearn.core.checks import check_float, check_int
+from parlearn.core.checks import check_callable, check_choice, check_float, check_int
 from parlearn.core.timing import UNRELIABLE
 from parlearn.many_copies.decoding.loop import STRATEGIES, DecodeResult, _check_params, decode
 from parlearn.many_copies.decoding.mean_field import overlap_coupling
@@ -23,15 +23,31 @@ __all__ = ["GRIDS", "FAMILY_TAUS", "sweep", "best_setting", "family_table",
 # --- bench -------------------------------------------------------------------------
 
 
+def _check_language(name: str, lang) -> None:
+    """A language of parlearn.diffusion (or one like it): ``length``, ``mask_id``, ``valid``."""
+    if not all(hasattr(lang, a) for a in ("length", "mask_id", "valid", "denoiser")):
+        raise TypeError(f"{name} must be a language such as diffusion.PairedPhrase (with "
+                        f"length, mask_id, valid and denoiser), got {type(lang).__name__}")
+
+
 def sweep(denoiser, lang, strategy: str, grid: list[dict], *, batch: int = 256,
           seed: int = 0, device=None) -> list[tuple[dict, DecodeResult, float]]:
     """Decode ``batch`` sequences with every setting in ``grid``: ``(params, result, validity)``.
 
     ``device`` goes to :func:`decode` (where the tokens live; default: the denoiser's)."""
+    check_callable("denoiser", denoiser)
+    _check_language("lang", lang)
+    if not isinstance(grid, list | tuple) or not grid or not all(isinstance(p, dict)
+                                                                 for p in grid):
+        raise TypeError(f"grid must be a non-empty list of parameter dicts, got {grid!r:.80}")
     check_int("batch", batch, lo=1)
     check_int("seed", seed, lo=0)
+    check_choice("strategy", strategy, tuple(STRATEGIES))
     for params in grid:
-        _check_params(strategy, params)
+        try:
+            _check_params(strategy, params)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"grid entry {params!r}: {e}") from None
     out = []
     for params in grid:
         res = decode(denoiser, length=lang.length, batch=batch, mask_id=lang.mask_id,
@@ -45,8 +61,14 @@ def best_setting(rows: list[tuple[dict, DecodeResult, float]],
                  target: float = 0.99) -> tuple[dict, DecodeResult, float]:
     """Among :func:`sweep` rows, the fewest passes reaching ``target`` validity (or,
     if none does, the most valid)."""
-    if not rows:
-        raise ValueError("rows must hold at least one sweep row")
+    if not isinstance(rows, list | tuple) or not rows:
+        raise ValueError("rows must be a list holding at least one sweep row")
+    for r in rows:
+        if not (isinstance(r, tuple | list) and len(r) == 3 and isinstance(r[0], dict)
+                and isinstance(r[1], DecodeResult)):
+            raise TypeError(f"rows must hold sweep's (setting, DecodeResult, validity) rows, "
+                            f"got {r!r:.80}")
+        check_float("rows' validity", r[2], lo=0, hi=1)
     check_float("target", target, lo=0, hi=1)
     return min(rows, key=lambda r: (r[2] < target, r[1].mean_passes if r[2] >= target else -r[2]))
 
@@ -83,9 +105,18 @@ def family_table(languages=None, *, batch: int = 128, seed: int = 0, target: flo
     """
     from parlearn.many_copies.diffusion import language_family
 
+    if languages is not None:
+        if not isinstance(languages, list | tuple) or not languages:
+            raise TypeError(f"languages must be a non-empty list of languages, got "
+                            f"{type(languages).__name__}")
+        for lang in languages:
+            _check_language("languages", lang)
     languages = language_family() if languages is None else list(languages)
     check_int("batch", batch, lo=1)
+    check_int("seed", seed, lo=0)
     check_float("target", target, lo=0, hi=1)
+    if not isinstance(taus, list | tuple) or not taus:
+        raise TypeError(f"taus must be a non-empty tuple of thresholds in (0, 1), got {taus!r}")
     for t in taus:
         check_float("taus[...]", t, lo=0, hi=1, lo_open=True, hi_open=True)
     rows = []
@@ -111,6 +142,11 @@ def family_table(languages=None, *, batch: int = 128, seed: int = 0, target: flo
 
 def format_family_table(rows: list[dict]) -> str:
     """:func:`family_table` rows as text."""
+    keys = ("language", "length", "threshold_tau", "threshold_passes", "mean_field_passes",
+            "mean_field_validity", "half", "vs_threshold")
+    if not isinstance(rows, list | tuple) or not all(
+            isinstance(r, dict) and all(k in r for k in keys) for r in rows):
+        raise TypeError(f"rows must be a list of family_table rows (dicts with {list(keys)})")
     head = (f"{'language':32s} {'L':>3s} {'threshold best':>16s} {'mean field':>17s} "
             f"{'<= L/2':>6s} {'<= thr+1':>8s}")
     lines = [head, "-" * len(head)]

@@ -26,6 +26,8 @@ import math
 
 import torch
 
+from parlearn.core.checks import check_tensor
+
 __all__ = ["confidence"]
 
 
@@ -34,6 +36,10 @@ __all__ = ["confidence"]
 
 def confidence(probs: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
     """``c_i = max_v p_i(v)`` on masked positions, ``-inf`` elsewhere."""
+    check_tensor("probs", probs, floating=True)
+    if probs.dim() < 2 or probs.shape[-1] < 1:
+        raise ValueError(f"probs must be (..., L, V) with V >= 1, got {tuple(probs.shape)}")
+    check_tensor("masked", masked, shape=tuple(probs.shape[:-1]), dtype=torch.bool)
     return probs.max(-1).values.masked_fill(~masked, -math.inf)
 
 

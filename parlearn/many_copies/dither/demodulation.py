@@ -104,7 +104,12 @@ def relu_spectrum(*, offset: float = 0.0, amplitude: float = 1.0, cycles: int = 
     offset = check_float("offset", offset)
     amplitude = check_float("amplitude", amplitude, lo=0.0, lo_open=True)
     cycles = check_int("cycles", cycles, lo=1)
-    samples = check_int("samples", samples, lo=8 * cycles)
+    samples = check_int("samples", samples, lo=8)
+    if samples < 8 * cycles:
+        raise ValueError(f"samples must be >= 8 * cycles = {8 * cycles} (cycles={cycles}), got "
+                         f"{samples}")
+    if noise is not None:
+        check_choice("noise", noise, NOISES)
     copies, noise, scale, _ = _check_noise(copies, noise, scale, None)
     if noise is None and copies != 1:
         raise ValueError(f"copies={copies} without noise: copies of a clean signal are all "

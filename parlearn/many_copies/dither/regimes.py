@@ -244,7 +244,10 @@ def compare_regimes(data, *, epochs: int, batch_size: int = 16, copies: int = 16
         if bad:
             raise ValueError(f"noises[{label!r}] has unknown keys {sorted(bad)}; use dither, "
                              "scale, dropout")
-        _check_noise(1, kw.get("dither"), kw.get("scale", 0.0), kw.get("dropout"))
+        try:
+            _check_noise(1, kw.get("dither"), kw.get("scale", 0.0), kw.get("dropout"))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"noises[{label!r}]: {e}") from None
         if kw.get("dither") is None and not kw.get("dropout"):
             raise ValueError(f"noises[{label!r}] adds no noise")
     check_float("lr", lr, lo=0.0, lo_open=True)
@@ -271,8 +274,22 @@ def compare_regimes(data, *, epochs: int, batch_size: int = 16, copies: int = 16
     return out
 
 
+def _check_results(results) -> None:
+    """``results`` as :func:`compare_regimes` returns it: regime -> non-empty list of
+    :class:`History`, each with at least one test accuracy."""
+    if not isinstance(results, dict) or not results:
+        raise TypeError(f"results must be a non-empty dict regime -> [History], got "
+                        f"{type(results).__name__}")
+    for name, hists in results.items():
+        if not isinstance(hists, list | tuple) or not hists or not all(
+                isinstance(h, History) and h.test_acc for h in hists):
+            raise ValueError(f"results[{name!r}] must be a non-empty list of History, each "
+                             "with a test accuracy")
+
+
 def summarise(results: dict[str, list[History]]) -> dict[str, dict]:
     """Final test accuracy of each regime over its seeds: mean, sample std, min, max, n."""
+    _check_results(results)
     out = {}
     for name, hists in results.items():
         accs = [h.test_acc[-1] for h in hists]
@@ -289,9 +306,10 @@ def paired_difference(results: dict[str, list[History]], a: str, b: str) -> dict
     standard error, the 95% Student-t interval and ``"better"``/``"worse"`` when that
     interval excludes 0, else ``"not distinguishable"`` (always so with one seed).
     """
-    for name in (a, b):
-        if name not in results:
-            raise ValueError(f"{name!r} is not one of the regimes {list(results)}")
+    _check_results(results)
+    for arg, name in (("a", a), ("b", b)):
+        if not isinstance(name, str) or name not in results:
+            raise ValueError(f"{arg}={name!r} is not one of the regimes {list(results)}")
     if len(results[a]) != len(results[b]):
         raise ValueError(f"{a!r} and {b!r} were run with different numbers of seeds")
     d = [ha.test_acc[-1] - hb.test_acc[-1] for ha, hb in zip(results[a], results[b],

@@ -65,6 +65,8 @@ def collective_bytes(x: Any, k: int, *, mesh_shape: tuple[int, int], batch: int,
     """
     import re
 
+    if not isinstance(mesh_shape, tuple | list) or len(mesh_shape) != 2:
+        raise TypeError(f"mesh_shape must be a pair (data, players), got {mesh_shape!r}")
     data, players = (check_int("mesh_shape", n, lo=1) for n in mesh_shape)
     x, k, batch, _, _, _, _, v0 = _check_fit(x, k, method, batch, 0.1, 1, 1, 0, None)
     if batch % data or k % players:

@@ -68,6 +68,22 @@ def init_vectors(d: int, k: int, *, seed: int = 0) -> np.ndarray:
     return v / np.linalg.norm(v, axis=0)
 
 
+def _snapshots(name: str, x: Any) -> np.ndarray:
+    """``x`` as a finite float64 array of one (d, k) or a stack (..., d, k), d, k >= 1."""
+    if hasattr(x, "detach"):  # a torch tensor
+        x = x.detach().cpu().numpy()
+    if not isinstance(x, np.ndarray) and not hasattr(x, "__array__"):
+        raise TypeError(f"{name} must be an array (d, k) or (..., d, k), got {type(x).__name__}")
+    x = np.asarray(x)
+    if x.ndim < 2 or min(x.shape[-2:]) < 1:
+        raise ValueError(f"{name} must be (d, k) or (..., d, k) with d, k >= 1, got {x.shape}")
+    if not np.issubdtype(x.dtype, np.floating):
+        raise TypeError(f"{name} must hold floating-point numbers, got {x.dtype}")
+    if not np.isfinite(x).all():
+        raise ValueError(f"{name} must not contain NaN or infinity")
+    return x.astype(np.float64)
+
+
 def top_eigenvectors(x: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
     """``(eigenvalues, eigenvectors)`` of ``M = X^T X / n`` from ``numpy.linalg.eigh``, the
     top ``k`` in decreasing order (vectors as the columns of a (d, k) array)."""
@@ -85,7 +101,7 @@ def abs_cosines(v: Any, u: Any) -> np.ndarray:
     """``|cos|`` between each player ``v[:, i]`` and eigenvector ``u[:, i]`` (1 = found it;
     the sign of an eigenvector is arbitrary). Works on one (d, k) array or a stack
     (..., d, k) of snapshots."""
-    v, u = np.asarray(v, dtype=np.float64), np.asarray(u, dtype=np.float64)
+    v, u = _snapshots("v", v), _snapshots("u", u)
     if v.shape[-2:] != u.shape[-2:]:
         raise ValueError(f"v and u must have the same (d, k) shape, got {v.shape}, {u.shape}")
     num = np.abs(np.sum(v * u, axis=-2))

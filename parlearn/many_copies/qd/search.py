@@ -100,6 +100,9 @@ def empty_archive(task: Task, cells_per_dim: int = 32) -> Archive:
     """An archive with every cell empty."""
     import jax.numpy as jnp
 
+    if not isinstance(task, Task):
+        raise TypeError(f"task must be a qd Task (arm_task, rastrigin_task), got "
+                        f"{type(task).__name__}")
     cells_per_dim = check_int("cells_per_dim", cells_per_dim, lo=1)
     cells = cells_per_dim ** task.n_desc
     return Archive(jnp.full((cells,), -jnp.inf, jnp.float32),
@@ -235,6 +238,10 @@ def qd_metrics(archive: Archive, fitness_floor: float) -> dict[str, Any]:
     """QD-score (sum over filled cells of ``fitness - fitness_floor``), coverage, best fitness."""
     import jax.numpy as jnp
 
+    if not isinstance(archive, Archive):
+        raise TypeError(f"archive must be a qd Archive (empty_archive, insert), got "
+                        f"{type(archive).__name__}")
+    fitness_floor = check_float("fitness_floor", fitness_floor)
     filled = jnp.isfinite(archive.fitness)
     return {"qd_score": jnp.sum(jnp.where(filled, archive.fitness - fitness_floor, 0.0)),
             "coverage": jnp.mean(filled),

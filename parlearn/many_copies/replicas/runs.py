@@ -11,11 +11,13 @@ from torch import nn
 from parlearn.core.bench import Row
 from parlearn.core.checks import (
     check_bool,
+    check_callable,
     check_choice,
     check_float,
     check_int,
     check_tensor,
 )
+from parlearn.core.datasets import Split
 from parlearn.core.device import threads as _threads
 from parlearn.core.timing import compare, sweep
 from parlearn.many_copies.replicas.pooling import (
@@ -150,6 +152,22 @@ def _evaluate(base, params, buffers, x_test, y_test) -> dict:
 BOOTSTRAPS = ("none", "resample", "convolutional")
 
 
+def _check_runs(data, replicas_list, hidden, batch_size, threads) -> list[int]:
+    """The arguments :func:`instant_learning` and :func:`throughput` share."""
+    if not isinstance(data, Split):
+        raise TypeError(f"data must be a parlearn.datasets.Split, got {type(data).__name__}")
+    if isinstance(replicas_list, str) or not isinstance(replicas_list, Sequence):
+        raise TypeError(f"replicas_list must be a list of replica counts, got {replicas_list!r}")
+    rs = [check_int("replicas_list[]", r, lo=1) for r in replicas_list]
+    if not rs:
+        raise ValueError("replicas_list must name at least one replica count")
+    check_int("hidden", hidden, lo=1)
+    check_int("batch_size", batch_size, lo=1)
+    if threads is not None:
+        check_int("threads", threads, lo=1)
+    return rs
+
+
 def instant_learning(data, replicas_list: Sequence[int] = (1, 8, 64), *, epochs: int = 1,
                      hidden: int = 32, lr: float = 0.3, batch_size: int = 16,
                      bootstrap: str = "convolutional", shared_init: bool = False,
@@ -169,11 +187,15 @@ def instant_learning(data, replicas_list: Sequence[int] = (1, 8, 64), *, epochs:
     evaluation has per-replica, mean-replica, ensemble and weight-averaged test accuracy,
     both cross-entropies and ``first_k`` (accuracy of the ensemble of the first k replicas).
     """
-    rs = [check_int("replicas_list[]", r, lo=1) for r in replicas_list]
-    if not rs:
-        raise ValueError("replicas_list must name at least one replica count")
+    rs = _check_runs(data, replicas_list, hidden, batch_size, threads)
+    check_int("epochs", epochs, lo=1)
+    check_float("lr", lr, lo=0, lo_open=True)
     check_choice("bootstrap", bootstrap, BOOTSTRAPS)
+    check_bool("shared_init", shared_init)
     check_bool("looped", looped)
+    check_int("seed", seed, lo=0)
+    if progress is not None:
+        check_callable("progress", progress)
     if threads is not None:
         with _threads(check_int("threads", threads, lo=1)):
             return instant_learning(data, rs, epochs=epochs, hidden=hidden, lr=lr,
@@ -219,11 +241,12 @@ def throughput(data, replicas_list: Sequence[int], *, steps: int = 10, hidden: i
     :func:`parlearn.timing.sweep`, ``threads`` intra-op threads). Returns the sweep with
     ``replicas_per_s`` added: ``{"loop": [R / time], "batched": [R / time]}``.
     """
-    rs = [check_int("replicas_list[]", r, lo=1) for r in replicas_list]
-    if not rs:
-        raise ValueError("replicas_list must name at least one replica count")
+    rs = _check_runs(data, replicas_list, hidden, batch_size, threads)
     steps = check_int("steps", steps, lo=1)
-    batch_size = check_int("batch_size", batch_size, lo=1)
+    check_int("repeat", repeat, lo=1)
+    if len(data.x_train) < steps * batch_size:
+        raise ValueError(f"steps * batch_size = {steps * batch_size} must not exceed the "
+                         f"{len(data.x_train)} training rows of data")
     xs = data.x_train[:steps * batch_size].reshape(steps, -1, data.n_features)
     ys = data.y_train[:steps * batch_size].reshape(steps, -1)
 

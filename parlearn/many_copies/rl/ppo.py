@@ -310,6 +310,8 @@ def time_to_target(result: PPOResult, target: float) -> tuple[float, int] | None
     mean return of finished training episodes.
     """
     check_float("target", target)
+    if not isinstance(result, PPOResult):
+        raise TypeError(f"result must be a PPOResult (train_ppo), got {type(result).__name__}")
     curve = (result.eval_returns if np.isfinite(result.eval_returns).any()
              else result.returns)
     hit = np.flatnonzero(np.nan_to_num(curve, nan=-np.inf) >= target)

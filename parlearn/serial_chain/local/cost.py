@@ -14,7 +14,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from parlearn.core.checks import check_float, check_int
+from parlearn.core.checks import check_float, check_int, check_tensor
 from parlearn.serial_chain.local.net import LocalNet, as_sequential, make_net
 from parlearn.serial_chain.local.rules import _trainable, run_local
 
@@ -44,6 +44,8 @@ def block_costs(net: LocalNet, x: torch.Tensor, y: torch.Tensor, *, repeat: int 
 
     if not isinstance(net, LocalNet):
         raise TypeError(f"net must be a LocalNet, got {type(net).__name__}")
+    check_tensor("x", x, ndim=2, floating=True)
+    check_tensor("y", y, shape=(x.shape[0],), floating=False)
     repeat = check_int("repeat", repeat, lo=1)
     out = {"forward": 0.0, "backward": 0.0, "head": 0.0}
     h = x.detach()

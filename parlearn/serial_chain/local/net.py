@@ -66,6 +66,8 @@ class FeedbackLinear(nn.Module):
         check_choice("init", init, ("random", "transpose"))
         n_in, n_out = check_int("in_features", in_features, lo=1), check_int(
             "out_features", out_features, lo=1)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         gen = torch.Generator().manual_seed(check_int("seed", seed, lo=0))
         w = torch.randn(n_out, n_in, generator=gen, dtype=dtype) / n_in ** 0.5
         b = 0.1 * torch.randn(n_out, generator=gen, dtype=dtype)
@@ -121,10 +123,10 @@ class LocalNet(nn.Module):
         super().__init__()
         if not isinstance(blocks, (list, tuple)) or not blocks:
             raise TypeError("blocks must be a non-empty list of nn.Module")
-        if not isinstance(heads, (list, tuple)) or len(heads) != len(blocks):
-            raise ValueError(f"heads must be a list with one head per block ({len(blocks)})")
         for b in blocks:
             check_module("blocks", b)
+        if not isinstance(heads, (list, tuple)) or len(heads) != len(blocks):
+            raise ValueError(f"heads must be a list with one head per block ({len(blocks)})")
         for h in heads:
             check_module("heads", h)
         self.blocks, self.heads = nn.ModuleList(blocks), nn.ModuleList(heads)

@@ -45,7 +45,15 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
 
-from parlearn.core.checks import check_choice, check_float, check_int, check_tensor
+from parlearn.core.checks import (
+    check_bool,
+    check_callable,
+    check_choice,
+    check_float,
+    check_int,
+    check_module,
+    check_tensor,
+)
 from parlearn.core.device import threads as _threads
 from parlearn.serial_chain.local.net import FeedbackLinear, LocalNet, make_net
 
@@ -100,6 +108,15 @@ def local_step(block: nn.Module, head: nn.Module, x: torch.Tensor, y: torch.Tens
     gradient too; a critic's update waits for the next group's loss, which :func:`train`
     applies when block ``k+1`` has reported it.
     """
+    check_module("block", block)
+    check_module("head", head)
+    check_tensor("x", x, floating=True)
+    if x.dim() < 1:
+        raise ValueError("x must have a batch dimension, got a 0-d tensor")
+    check_tensor("y", y, shape=(x.shape[0],), floating=False)
+    lr = check_float("lr", lr, lo=0, lo_open=True)
+    weight_decay = check_float("weight_decay", weight_decay, lo=0)
+    check_bool("critic", critic)
     h = block(x.detach())
     loss = F.cross_entropy(head(h), y)
     bp, hp = _trainable(block.parameters()), _trainable(head.parameters())
@@ -158,6 +175,14 @@ class TrainResult:
     test_acc: list[float] = field(default_factory=list)
 
 
+def _check_test(test, x: torch.Tensor) -> None:
+    """``test`` a pair ``(x_test, y_test)``: rows of ``x``'s width and one label each."""
+    if not isinstance(test, tuple | list) or len(test) != 2:
+        raise TypeError(f"test must be a pair (x_test, y_test), got {type(test).__name__}")
+    check_tensor("test[0]", test[0], shape=(None, x.shape[1]), floating=True)
+    check_tensor("test[1]", test[1], shape=(test[0].shape[0],), floating=False)
+
+
 def _check_train(net, x, y, rule, lr, weight_decay):
     if not isinstance(net, LocalNet):
         raise TypeError(f"net must be a LocalNet, got {type(net).__name__}")
@@ -203,6 +228,8 @@ def train(net: LocalNet, x: torch.Tensor, y: torch.Tensor, rule: str, *, epochs:
     the two orders give the same trained net but not the same accuracy history)."""
     lr, weight_decay = _check_train(net, x, y, rule, lr, weight_decay)
     check_choice("order", order, ORDERS)
+    if test is not None:
+        _check_test(test, x)
     net = copy.deepcopy(net)
     batches = minibatches(len(x), batch, epochs, seed)
     per_epoch = len(batches) // epochs
@@ -370,6 +397,13 @@ def compare_rules(x: torch.Tensor, y: torch.Tensor, test: tuple[torch.Tensor, to
     trained from the same initial forward weights (``seed``) on the same minibatches, with the
     same ``lr`` and ``weight_decay``. ``progress(fraction, text)`` is called after each run.
     Runs with one intra-op thread (the caller's count is restored)."""
+    check_tensor("x", x, ndim=2, floating=True)
+    check_tensor("y", y, shape=(x.shape[0],), floating=False)
+    _check_test(test, x)
+    if progress is not None:
+        check_callable("progress", progress)
+    if isinstance(rules, str):
+        raise TypeError(f"rules must be a list of rules from {list(RULES)}, got {rules!r}")
     rules = [check_choice("rules", r, RULES) for r in rules]
     if not seeds:
         raise ValueError("seeds must hold at least one seed")

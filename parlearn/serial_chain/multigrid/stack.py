@@ -35,8 +35,20 @@ __all__ = ["ResidualStack", "dense_tanh", "conv_tanh", "random_stack"]
 # ResidualStack checks the parameter shapes once and mgrit_forward checks the input.
 
 
+def _one_layer(p: Any, w_ndim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's ``W`` (``w_ndim`` dims) and ``b`` (its output size) from the dict ``p``."""
+    if not isinstance(p, dict) or set(p) != {"W", "b"}:
+        raise TypeError(f"p must be a dict of one layer's 'W' and 'b', got {p!r:.80}")
+    W = check_tensor("p['W']", p["W"], ndim=w_ndim, floating=True)
+    b = check_tensor("p['b']", p["b"], shape=(W.shape[0],), dtype=W.dtype)
+    return W, b
+
+
 def dense_tanh(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``F(x) = tanh(W x + b)`` for ``x`` of shape ``(B, d)`` (one ``addmm``, as nn.Linear)."""
+    """``F(x) = tanh(W x + b)`` for ``x`` of shape ``(B, d)`` (one ``addmm``, as nn.Linear);
+    ``p`` holds one layer's ``W`` (w, d) and ``b`` (w,)."""
+    W, b = _one_layer(p, 2)
+    check_tensor("x", x, shape=(None, W.shape[1]), dtype=W.dtype)
     return torch.tanh(nn.functional.linear(x, p["W"], p["b"]))
 
 
@@ -66,6 +78,8 @@ _BATCHED_VJP = {dense_tanh: dense_tanh_vjp}
 
 def conv_tanh(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
     """``F(x) = tanh(conv(x, W) + b)`` (same padding) for ``x`` of shape ``(B, C, H, W)``."""
+    W, b = _one_layer(p, 4)
+    check_tensor("x", x, shape=(None, W.shape[1], None, None), dtype=W.dtype)
     k = p["W"].shape[-1]
     return torch.tanh(nn.functional.conv2d(x, p["W"], p["b"], padding=k // 2))
 
@@ -102,7 +116,8 @@ class ResidualStack(nn.Module):
                                  f"got shape {tuple(t.shape)}")
         sizes = {name: t.shape[0] for name, t in params.items()}
         if len(set(sizes.values())) != 1:
-            raise ValueError(f"every stacked parameter needs the same leading size N, got {sizes}")
+            raise ValueError(f"params: every stacked tensor needs the same leading size N, got "
+                             f"{sizes}")
         kinds = {(t.dtype, t.device) for t in params.values()}
         if len(kinds) != 1:
             raise ValueError(f"params must share one dtype and device, got {kinds}")

@@ -90,6 +90,18 @@ def velocity_step(v_prev: torch.Tensor, dphi: torch.Tensor, mu: float) -> torch.
     return dphi - mu * v_prev
 
 
+def _check_outputs(outputs, like: list[torch.Tensor] | None = None) -> None:
+    """A non-empty list of 2-D (examples, neurons) float tensors, shaped as ``like``."""
+    if not isinstance(outputs, list | tuple) or not outputs:
+        raise TypeError(f"outputs must be a non-empty list of (examples, neurons) tensors, "
+                        f"got {type(outputs).__name__}")
+    if like is not None and len(outputs) != len(like):
+        raise ValueError(f"outputs must hold {len(like)} layers, got {len(outputs)}")
+    for i, o in enumerate(outputs):
+        shape = (None, None) if like is None else tuple(like[i].shape)
+        check_tensor(f"outputs[{i}]", o, shape=shape, floating=True)
+
+
 @dataclass
 class Equilibrium:
     """The per-neuron state NEq carries from epoch to epoch, for every watched layer:
@@ -105,6 +117,7 @@ class Equilibrium:
     @classmethod
     def start(cls, outputs: list[torch.Tensor], eps: float, mu: float) -> Equilibrium:
         """State before training: ``phi^0 = 1``, ``v^0 = 0``, every neuron active."""
+        _check_outputs(outputs)
         eps = check_float("eps", eps, lo=0)
         mu = check_float("mu", mu, lo=0, hi=1)
         ones = [torch.ones(o.shape[1], dtype=torch.float64) for o in outputs]
@@ -114,6 +127,7 @@ class Equilibrium:
     def update(self, outputs: list[torch.Tensor]) -> None:
         """One epoch's check: new ``phi``, ``dphi``, velocity, and the new active mask
         ``|v| >= eps`` (frozen iff ``|v| < eps``, so ``eps = 0`` freezes nothing)."""
+        _check_outputs(outputs, self.outputs)
         new_phi = [phi(a, b) for a, b in zip(self.outputs, outputs, strict=True)]
         self.velocity = [velocity_step(v, p - q, self.mu)
                          for v, p, q in zip(self.velocity, new_phi, self.phi, strict=True)]

@@ -85,6 +85,20 @@ def timed_runs(x: torch.Tensor, y: torch.Tensor, alpha: float, f_star: float, *,
     from parlearn.core.device import threads
 
     x, y, alpha = check_problem(x, y, alpha)
+    f_star = check_float("f_star", f_star)
+    if f_star == 0:
+        raise ValueError("f_star must not be 0: the gaps are relative to |f_star|")
+    check_int("workers", workers, lo=1, hi=x.shape[1])
+    check_int("rounds", rounds, lo=0)
+    check_int("world_size", world_size, lo=1, hi=x.shape[0])
+    check_float("rho", rho, lo=0, hi=1, lo_open=True)
+    check_int("seed", seed, lo=0)
+    if not isinstance(sklearn_epochs, list | tuple) or not sklearn_epochs:
+        raise TypeError(f"sklearn_epochs must be a non-empty tuple of ints >= 1, got "
+                        f"{sklearn_epochs!r}")
+    for e in sklearn_epochs:
+        check_int("sklearn_epochs", e, lo=1)
+    check_int("repeat", repeat, lo=1)
     out: dict[str, dict[str, list[float]]] = {}
     sk = _sklearn_trace(x, y, alpha, sklearn_epochs, repeat)
     out["sklearn (serial)"] = {"updates": [u for u, _, _ in sk], "seconds": [t for _, t, _ in sk],

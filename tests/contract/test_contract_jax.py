@@ -1,0 +1,232 @@
+"""The argument contract of the Parts 2-4 functions that start JAX (or live beside them):
+qd, rl, eigengame, and decoding's mean-field kernel (see harness.py).
+
+Starting JAX starts threads, and a later fork of this process (gloo ranks) would then warn
+or deadlock, so every test here runs in a child pytest (``fresh_process``, tests/conftest.py).
+This module's top level is still imported by the main process to collect it (and by
+test_completeness.py): it imports no JAX, and its ``good()`` builders make NumPy arrays and
+Python numbers only, never JAX arrays.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from harness import Case, contract_tests
+
+pytestmark = pytest.mark.fresh_process
+
+
+def _x(n=8, d=3, seed=0):
+    """A seeded float64 data matrix (n, d)."""
+    return np.random.default_rng(seed).standard_normal((n, d))
+
+
+def _v(d=3, k=2, seed=1):
+    return np.random.default_rng(seed).standard_normal((d, k))
+
+
+def _nan(a):
+    a = a.copy()
+    a.flat[0] = math.nan
+    return a
+
+
+def _dqn_config():
+    from parlearn.elsewhere.value.dqn import DQNConfig
+    return DQNConfig(env_steps=40, num_envs=2, max_steps=10, hidden=4, batch=4, learn_start=8)
+
+
+def _phrase():
+    from parlearn.many_copies.diffusion import PairedPhrase
+    return PairedPhrase(slots=2, m=2)
+
+
+def _rastrigin():
+    from parlearn.many_copies.qd.search import rastrigin_task
+    return rastrigin_task(2)
+
+
+def _archive():
+    """Four cells, two filled (fitness 0.5 and 2.0), as NumPy arrays."""
+    from parlearn.many_copies.qd.search import Archive
+    fit = np.array([0.5, -np.inf, 2.0, -np.inf], dtype=np.float32)
+    return Archive(fit, np.zeros((4, 2), np.float32), np.zeros((4, 2), np.float32))
+
+
+def _ppo_result():
+    """Returns 1 then 5 at 10 and 20 env steps (0.1 s and 0.2 s), no evaluations."""
+    from parlearn.many_copies.rl.ppo import PPOConfig, PPOResult
+    return PPOResult({}, np.array([10, 20]), np.array([1.0, 5.0]), np.array([np.nan, np.nan]),
+                     np.array([0.1, 0.2]), 0.0, PPOConfig(), "cartpole", "cpu")
+
+
+def _cosines_in_unit(result, kw):
+    assert result.shape == kw["v"].shape[-1:] and np.all((result >= 0) & (result <= 1 + 1e-12))
+
+
+def _orthonormal_top(result, kw):
+    """The eigenvectors are orthonormal, decreasing, and satisfy M u = lambda u."""
+    lam, u = result
+    m = kw["x"].T @ kw["x"] / kw["x"].shape[0]
+    np.testing.assert_allclose(u.T @ u, np.eye(kw["k"]), atol=1e-12)
+    np.testing.assert_allclose(m @ u, u * lam, atol=1e-12)
+    assert np.all(np.diff(lam) <= 0)
+
+
+OPEN_BOTH = [0.0, 1.0, -0.5, 1.5]
+POSITIVE = [0.0, -1.0]
+BAD_X = [np.zeros((8, 3), dtype=np.int64), _nan(_x()), _x()[0], np.zeros((0, 3))]
+
+CASES: list[Case] = [
+    Case("parlearn.many_copies.eigengame.inputs.synthetic_data",
+         lambda: dict(n=8, d=3, decay=0.7, seed=0),
+         ranges={"n": (2, None), "d": (1, None), "seed": (0, None)},
+         bad={"decay": OPEN_BOTH}),
+    Case("parlearn.many_copies.eigengame.inputs.init_vectors",
+         lambda: dict(d=3, k=2, seed=0),
+         ranges={"d": (2, None), "k": (1, 3), "seed": (0, None)},
+         check=lambda r, kw: np.testing.assert_allclose(np.linalg.norm(r, axis=0), 1.0)),
+    Case("parlearn.many_copies.eigengame.inputs.top_eigenvectors",
+         lambda: dict(x=_x(), k=2), ranges={"k": (1, 3)}, bad={"x": BAD_X},
+         check=_orthonormal_top),
+    Case("parlearn.many_copies.eigengame.inputs.abs_cosines",
+         lambda: dict(v=_v(), u=_v(seed=2)),
+         bad={"v": [_v(4, 2), _v()[0], _nan(_v()), np.zeros((3, 2), dtype=np.int64)],
+              "u": [_v(3, 3), _nan(_v())]},
+         check=_cosines_in_unit),
+    Case("parlearn.many_copies.eigengame.inputs.longest_streak",
+         lambda: dict(v=_v(), u=_v(seed=2), angle=0.3),
+         bad={"v": [_v(4, 2), _nan(_v())], "u": [_v(3, 3)],
+              "angle": [0.0, -0.1, math.pi / 2 + 1e-9, 10.0]}),
+
+    # DQN steps parlearn.rl's cart-pole, a JAX environment: runs too long for run_good,
+    # but every refusal comes before JAX starts.
+    Case("parlearn.elsewhere.value.dqn.train",
+         lambda: dict(config=_dqn_config(), seed=0, progress=None, threads=1),
+         ranges={"seed": (0, None), "threads": (1, None)},
+         bad={"config": ["dqn", None], "progress": [3]},
+         legal={"progress": [None], "threads": [None]}, run_good=False),
+    Case("parlearn.elsewhere.value.dqn.compare_variants",
+         lambda: dict(variants=["dqn"], seeds=[0], config=_dqn_config(), progress=None,
+                      threads=1),
+         ranges={"threads": (1, None)},
+         bad={"variants": [[], ["nope"], "dqn", [True]], "seeds": [[], [-1], [True], 0],
+              "config": ["dqn"], "progress": [3]},
+         legal={"config": [None], "progress": [None], "threads": [None]}, run_good=False),
+
+    # mean field runs its JAX kernel: refusals only (each comes before any decoding)
+    Case("parlearn.many_copies.decoding.measure.family_table",
+         lambda: dict(languages=[_phrase()], batch=2, seed=0, target=0.95, taus=(0.5,)),
+         ranges={"batch": (1, None), "seed": (0, None), "target": (0.0, 1.0)},
+         bad={"languages": [[], "l", [3]], "taus": [(), (0.0,), (1.0,), (True,), 0.5]},
+         run_good=False),
+    Case("parlearn.many_copies.rl.ppo.PPOConfig",
+         lambda: dict(num_envs=4, num_steps=4, updates=1, epochs=1, minibatches=2, gamma=0.99,
+                      lam=0.95, clip=0.2, lr=2.5e-3, ent_coef=0.01, vf_coef=0.5,
+                      max_grad_norm=0.5, hidden=4),
+         ranges={"num_envs": (1, None), "num_steps": (1, None), "updates": (1, None),
+                 "epochs": (1, None), "gamma": (0.0, 1.0), "lam": (0.0, 1.0),
+                 "ent_coef": (0.0, None), "vf_coef": (0.0, None), "hidden": (1, None)},
+         bad={"minibatches": [0, 3, 32], "clip": POSITIVE, "lr": POSITIVE,
+              "max_grad_norm": POSITIVE},
+         legal={}),
+    Case("parlearn.many_copies.eigengame.game.direction",
+         lambda: dict(v=_v(), x=_x(), method="mu"),
+         bad={"v": [_v(4, 2), _nan(_v()), _v(3, 4)], "x": BAD_X, "method": ["oja"]}),
+    Case("parlearn.many_copies.eigengame.game.update",
+         lambda: dict(v=_v(), x=_x(), lr=0.1, method="mu"),
+         bad={"v": [_v(4, 2), _nan(_v())], "x": BAD_X, "lr": POSITIVE},
+         check=lambda r, kw: np.testing.assert_allclose(np.linalg.norm(r, axis=0), 1.0)),
+    Case("parlearn.many_copies.eigengame.game.minibatch_bias",
+         lambda: dict(v=_v(), x=_x(), batch=2, samples=8, method="mu", seed=0),
+         ranges={"batch": (1, None), "samples": (2, None), "seed": (0, None)},
+         bad={"v": [_v(4, 2)], "x": BAD_X, "method": ["oja"]}),
+    Case("parlearn.many_copies.qd.search.arm_task", lambda: dict(dofs=3),
+         ranges={"dofs": (1, None)}),
+    Case("parlearn.many_copies.qd.search.rastrigin_task", lambda: dict(dim=3),
+         ranges={"dim": (2, None)}),
+    Case("parlearn.many_copies.qd.search.empty_archive",
+         lambda: dict(task=_rastrigin(), cells_per_dim=4),
+         ranges={"cells_per_dim": (1, None)}, bad={"task": ["task", 3]},
+         check=lambda r, kw: None if r.fitness.shape == (kw["cells_per_dim"] ** 2,)
+         else pytest.fail(f"{r.fitness.shape}")),
+    Case("parlearn.many_copies.eigengame.devices.collective_bytes",
+         lambda: dict(x=_x(), k=2, mesh_shape=(1, 1), batch=4, method="mu"),
+         ranges={"k": (1, 3), "batch": (1, 8)},
+         bad={"x": BAD_X, "mesh_shape": [(1,), (1, 1, 1), 1, (0, 1), (1, True)],
+              "method": ["oja"]},
+         run_good=False),  # an XLA compile per call
+    Case("parlearn.many_copies.eigengame.training.fit",
+         lambda: dict(x=_x(), k=2, method="mu", batch=None, lr=0.1, steps=2, record_every=None,
+                      seed=0, v0=None),
+         ranges={"k": (1, 3), "batch": (1, 8), "steps": (1, None), "seed": (0, None)},
+         bad={"x": BAD_X, "method": ["oja"], "lr": POSITIVE, "record_every": [0, 3],
+              "v0": [_v(4, 2), _v(3, 3), _nan(_v())]},
+         legal={"batch": [None], "record_every": [None], "v0": [None]},
+         run_good=False),  # an XLA compile per call
+    Case("parlearn.many_copies.rl.envs.cartpole", lambda: dict(max_steps=10),
+         ranges={"max_steps": (1, None)}),
+    Case("parlearn.many_copies.qd.search.qd_metrics",
+         lambda: dict(archive=_archive(), fitness_floor=-1.0),
+         bad={"archive": ["a", (np.zeros(3),)]},
+         check=lambda r, kw: np.testing.assert_allclose(
+             [float(r["qd_score"]), float(r["coverage"]), float(r["max_fitness"])],
+             [(0.5 - kw["fitness_floor"]) + (2.0 - kw["fitness_floor"]), 0.5, 2.0], rtol=1e-6)),
+    Case("parlearn.many_copies.rl.ppo.time_to_target",
+         lambda: dict(result=_ppo_result(), target=3.0),
+         bad={"result": ["r", None]},
+         check=lambda r, kw: None if r == (0.2, 20) else pytest.fail(f"{r}")),
+]
+
+test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
+
+COVERED_ELSEWHERE: dict[str, str | list[str]] = {}
+EXEMPT: dict[str, str] = {
+    "parlearn.many_copies.qd.search.MapElitesResult":
+        "a record map_elites() returns; users only read its fields",
+    "parlearn.many_copies.rl.ppo.PPOResult":
+        "a record train_ppo() returns; users only read its fields",
+    "parlearn.many_copies.qd.search.Archive":
+        "the archive that empty_archive() and insert() build; users only read it",
+    "parlearn.many_copies.qd.search.Task":
+        "a record that arm_task() and rastrigin_task() build; the searches take it as built",
+    "parlearn.many_copies.rl.envs.Env":
+        "a record that cartpole() and gymnax_env() build; the rollouts take it as built",
+}
+
+# Public callables whose contract test is still to be written (test_completeness: only shrinks).
+PENDING = [
+    "parlearn.many_copies.decoding.mean_field.auto_tau",
+    "parlearn.many_copies.decoding.mean_field.coupling_matrix",
+    "parlearn.many_copies.decoding.mean_field.mean_field_commit",
+    "parlearn.many_copies.decoding.mean_field.overlap_coupling",
+    "parlearn.many_copies.decoding.mean_field.overlap_coupling_dense",
+    "parlearn.many_copies.eigengame.devices.compare_sharded",
+    "parlearn.many_copies.eigengame.devices.run_with_devices",
+    "parlearn.many_copies.eigengame.speed.sharded_throughput",
+    "parlearn.many_copies.eigengame.speed.throughput",
+    "parlearn.many_copies.eigengame.training.fit_sharded",
+    "parlearn.many_copies.qd.qdax_engine.qdax_map_elites",
+    "parlearn.many_copies.qd.search.cell_index",
+    "parlearn.many_copies.qd.search.insert",
+    "parlearn.many_copies.qd.search.insert_loop",
+    "parlearn.many_copies.qd.search.isoline_variation",
+    "parlearn.many_copies.qd.search.map_elites",
+    "parlearn.many_copies.qd.search.score_batch",
+    "parlearn.many_copies.qd.search.score_loop",
+    "parlearn.many_copies.qd.throughput.evals_per_second",
+    "parlearn.many_copies.rl.advantages.gae",
+    "parlearn.many_copies.rl.advantages.gae_loop",
+    "parlearn.many_copies.rl.envs.batch_reset",
+    "parlearn.many_copies.rl.envs.batch_step",
+    "parlearn.many_copies.rl.envs.gymnax_env",
+    "parlearn.many_copies.rl.envs.step_loop",
+    "parlearn.many_copies.rl.policy.init_policy",
+    "parlearn.many_copies.rl.policy.policy_logits_value",
+    "parlearn.many_copies.rl.ppo.evaluate",
+    "parlearn.many_copies.rl.ppo.train_ppo",
+    "parlearn.many_copies.rl.throughput.env_steps_per_second",
+]
