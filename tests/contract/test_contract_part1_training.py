@@ -526,13 +526,4 @@ PENDING = [
     "parlearn.multi_device.data_parallel.workers.worker_rank_coding",
     "parlearn.multi_device.data_parallel.workers.worker_slow_link",
     "parlearn.multi_device.data_parallel.workers.worker_step_time",
-    "parlearn.multi_device.mesh.composed.assemble",
-    "parlearn.multi_device.mesh.composed.mesh_check",
-    "parlearn.multi_device.mesh.composed.mesh_train_worker",
-    "parlearn.multi_device.mesh.grading.grade",
-    "parlearn.multi_device.mesh.grading.measure_plan",
-    "parlearn.multi_device.mesh.torch_composed.torch_mesh_worker",
-    "parlearn.multi_device.sharding.jax_update.jax_sharded_adam",
-    "parlearn.multi_device.sharding.jax_update.jax_sharded_adam_subprocess",
-    "parlearn.multi_device.sharding.training.bench",
 ]

@@ -255,3 +255,54 @@ def test_planner_refuses_bad_clusters_and_workloads_naming_the_argument():
         rank_plans(TinyGPT(CFG, 8, 16), "a cluster", 4)
     with pytest.raises((ValueError, TypeError), match="zero"):
         rank_plans(TinyGPT(CFG, 8, 16), Cluster(_fake_card()), 4, zero=(True,))
+
+
+@pytest.mark.parametrize("which, name", [("seq", "seq"), ("world", "world_size"),
+                                         ("zero", "zero")])
+def test_mesh_worker_refuses_bad_arguments_on_every_rank(which, name):
+    """Called straight through dist.run (as a user may), the worker refuses on every rank
+    before the mesh's first collective: no hang, no rank left waiting."""
+    from ranks import assert_refused_on_every_rank
+
+    from parlearn.multi_device.mesh.composed import mesh_train_worker
+
+    cfg = GPTConfig(vocab_size=11, d_model=16, n_heads=2, n_layers=2, max_seq=8)
+    shape = MeshShape(dp=2, tp=1, pp=1) if which != "world" else MeshShape(dp=1, tp=2, pp=2)
+    args = dict(cfg=cfg, shape=shape, steps=1, batch=4, seq=8, micro_batches=1, lr=1e-2,
+                seed=0, sp=False, zero=1, recompute="none", kind="1f1b")
+    args.update({"seq": {"seq": 9}, "zero": {"zero": True}}.get(which, {}))
+    assert_refused_on_every_rank(mesh_train_worker, tuple(args.values()), name=name)
+
+
+@pytest.mark.parametrize("which, name", [("lr", "lr"), ("world", "world_size")])
+def test_torch_mesh_worker_refuses_bad_arguments_on_every_rank(which, name):
+    from ranks import assert_refused_on_every_rank
+
+    from parlearn.multi_device.mesh.torch_composed import torch_mesh_worker
+
+    cfg = GPTConfig(vocab_size=11, d_model=16, n_heads=2, n_layers=2, max_seq=8)
+    dp = 1 if which == "world" else 2   # dp * tp = 1 on 2 ranks
+    lr = 0.0 if which == "lr" else 1e-2
+    assert_refused_on_every_rank(torch_mesh_worker, (cfg, dp, 1, 1, 4, 8, lr, 0), name=name)
+
+
+def test_assemble_and_measure_plan_refuse_what_is_not_theirs():
+    from parlearn.multi_device.mesh.composed import assemble
+    from parlearn.multi_device.mesh.grading import measure_plan
+    from parlearn.multi_device.mesh.planner import Cluster, TinyGPT, rank_plans
+
+    shape = MeshShape(dp=2, tp=1, pp=1)
+    with pytest.raises(ValueError, match="results"):
+        assemble([{"params": {}}], shape)          # one rank's dict for a world of 2
+    with pytest.raises(TypeError, match=r"results\[1\]"):
+        assemble([{"params": {}}, "rank 1"], shape)
+    with pytest.raises(TypeError, match="shape"):
+        assemble([{"params": {}}], "1x1x1")
+    cfg = GPTConfig(vocab_size=11, d_model=16, n_heads=2, n_layers=2, max_seq=8)
+    pred = rank_plans(TinyGPT(cfg, 4, 8), Cluster(_fake_card(), gpus_per_node=2), 2)[0]
+    with pytest.raises(TypeError, match="pred"):
+        measure_plan(cfg, pred.plan, 4, 8)
+    with pytest.raises(ValueError, match="steps"):
+        measure_plan(cfg, pred, 4, 8, steps=1)
+    with pytest.raises(ValueError, match="batch"):
+        measure_plan(cfg, pred, 3, 8)

@@ -294,9 +294,11 @@ def test_validate_refuses_ops_it_would_ignore():
     with pytest.raises(ValueError, match="sched.*chunk"):
         validate(extra)
     odd = pl.Schedule([list(ops) for ops in good], "mine", 2, 2)
-    odd[1].append(pl.Op("X", 0))
+    odd[1].append(("X", 0, 0))   # a plain tuple: an Op itself refuses kind "X" when made
     with pytest.raises(ValueError, match="sched"):
         validate(odd)
+    with pytest.raises(ValueError, match="kind"):
+        pl.Op("X", 0)
     with pytest.raises(ValueError, match="orders must hold one op list per rank"):
         pl.Schedule([list(good[0])], "mine", 2, 2)
     lost = pl.Schedule([list(ops) for ops in good], "mine", 2, 2)

@@ -223,6 +223,22 @@ def _summary(records) -> dict[str, tuple[int, int]]:
     return out
 
 
+def check_train_args(cfg: GPTConfig, shape: MeshShape, steps: int, batch: int, seq: int,
+                     micro_batches: int, lr: float, seed: int, sp: bool, zero: int,
+                     recompute: str, schedule_kind: str) -> None:
+    """Refuse, naming the argument, what :func:`mesh_train` and its worker cannot run."""
+    for name, v in (("steps", steps), ("batch", batch), ("seq", seq),
+                    ("micro_batches", micro_batches)):
+        check_int(name, v, lo=1)
+    check_float("lr", lr, lo=0, lo_open=True)
+    check_int("seed", seed, lo=0)
+    check_bool("sp", sp)
+    check_choice("zero", zero, (0, 1))
+    check_choice("recompute", recompute, ("none", "full"))
+    check_choice("schedule_kind", schedule_kind, ("1f1b", "gpipe"))
+    check_plan(cfg, shape, batch, seq, micro_batches, sp)
+
+
 def mesh_train_worker(rank: int, world_size: int, cfg: GPTConfig, shape: MeshShape, steps: int,
                       batch: int, seq: int, micro_batches: int, lr: float, seed: int, sp: bool,
                       zero: int, recompute: str, kind: str) -> dict:
@@ -235,6 +251,11 @@ def mesh_train_worker(rank: int, world_size: int, cfg: GPTConfig, shape: MeshSha
     from parlearn.distributed import ledger
     from parlearn.multi_device.sharding import ShardedAdam
 
+    # Every rank checks before its first collective (the mesh's own set-up is one).
+    check_train_args(cfg, shape, steps, batch, seq, micro_batches, lr, seed, sp, zero,
+                     recompute, kind)
+    if world_size != shape.world:
+        raise ValueError(f"world_size={world_size} must equal shape.world={shape.world}")
     mesh = init_device_mesh("cpu", shape.dims, mesh_dim_names=AXES)
     tp_group, dp_group = mesh.get_group("tp"), mesh.get_group("dp")
     me = shape.coords(rank)
@@ -329,16 +350,8 @@ def mesh_train(cfg: GPTConfig, shape: MeshShape, *, steps: int = 3, batch: int =
     laid out as ``shape``; one dict per rank (:func:`mesh_train_worker`)."""
     from parlearn.distributed import run
 
-    steps, batch, seq = (check_int(n, v, lo=1) for n, v in
-                         (("steps", steps), ("batch", batch), ("seq", seq)))
-    micro_batches = check_int("micro_batches", micro_batches, lo=1)
-    check_float("lr", lr, lo=0, lo_open=True)
-    check_int("seed", seed, lo=0)
-    check_bool("sp", sp)
-    check_choice("zero", zero, (0, 1))
-    check_choice("recompute", recompute, ("none", "full"))
-    check_choice("schedule_kind", schedule_kind, ("1f1b", "gpipe"))
-    check_plan(cfg, shape, batch, seq, micro_batches, sp)
+    check_train_args(cfg, shape, steps, batch, seq, micro_batches, lr, seed, sp, zero,
+                     recompute, schedule_kind)
     return run(mesh_train_worker, shape.world, backend="gloo", timeout=timeout,
                args=(cfg, shape, steps, batch, seq, micro_batches, lr, seed, sp, zero,
                      recompute, schedule_kind))
@@ -348,6 +361,16 @@ def assemble(results: list[dict], shape: MeshShape) -> dict[str, torch.Tensor]:
     """The whole model's parameters from the ranks' shards: replica 0's, tp shards
     concatenated along the dim they were cut, each stage's blocks where they belong (the
     tied embedding from the first stage)."""
+    if not isinstance(shape, MeshShape):
+        raise TypeError(f"shape must be a MeshShape, got {type(shape).__name__}")
+    if not isinstance(results, list | tuple) or len(results) != shape.world:
+        raise ValueError(f"results must be a list of one dict per rank of shape "
+                         f"(shape.world={shape.world}), got {type(results).__name__}"
+                         + (f" of {len(results)}" if isinstance(results, list | tuple) else ""))
+    for r, res in enumerate(results):
+        if not isinstance(res, dict) or not isinstance(res.get("params"), dict):
+            raise TypeError(f"results[{r}] must be a rank's dict from mesh_train, with a "
+                            f"'params' dict, got {type(res).__name__}")
     full: dict[str, torch.Tensor] = {}
     for stage in range(shape.pp):
         parts = [results[shape.rank(stage, 0, t)]["params"] for t in range(shape.tp)]

@@ -19,7 +19,7 @@ import os
 import statistics
 from collections.abc import Sequence
 
-from parlearn.core.checks import check_float, check_int
+from parlearn.core.checks import check_bool, check_float, check_int
 from parlearn.multi_device.mesh.composed import mesh_train
 from parlearn.multi_device.mesh.layout import MeshShape
 from parlearn.multi_device.mesh.planner import Cluster, Prediction, TinyGPT, rank_plans
@@ -57,8 +57,18 @@ def kendall_tau(xs, ys) -> float:
 
 def measure_plan(cfg: GPTConfig, pred: Prediction, batch: int, seq: int, steps: int = 4,
                  timeout: float = 120) -> dict:
-    """Run ``pred.plan`` with :func:`mesh_train`; ``{"step_s", "memory", "spread"}``."""
+    """Run ``pred.plan`` with :func:`mesh_train`; ``{"step_s", "memory", "spread"}``
+    (the median of the slowest rank's step times after the first, which warms up, so
+    ``steps`` is at least 2)."""
+    if not isinstance(pred, Prediction):
+        raise TypeError(f"pred must be a Prediction (from parlearn.mesh.predict or rank_plans), "
+                        f"got {type(pred).__name__}")
+    check_int("steps", steps, lo=2)
+    batch = check_int("batch", batch, lo=1)
     plan = pred.plan
+    if batch % (plan.dp * plan.micro_batch):
+        raise ValueError(f"batch={batch} must be a multiple of the plan's dp * micro_batch = "
+                         f"{plan.dp} * {plan.micro_batch}")
     shape = MeshShape(plan.dp, plan.tp, plan.pp)
     res = mesh_train(cfg, shape, steps=steps, batch=batch, seq=seq,
                      micro_batches=batch // (plan.dp * plan.micro_batch), zero=plan.zero,
@@ -85,6 +95,12 @@ def grade(cfg: GPTConfig, card, *, world: int = 4, batch: int = 8, seq: int = 16
     world = check_int("world", world, lo=1)
     top = check_int("top", top, lo=1)
     steps = check_int("steps", steps, lo=2)
+    for name, v in (("batch", batch), ("seq", seq)):
+        check_int(name, v, lo=1)
+    check_bool("progress", progress)
+    check_float("timeout", timeout, lo=0, lo_open=True)
+    if not isinstance(cfg, GPTConfig):
+        raise TypeError(f"cfg must be a GPTConfig, got {type(cfg).__name__}")
     cores = os.cpu_count() or 1
     cluster = Cluster(card, gpus_per_node=world, share=min(1.0, cores / world))
     work = TinyGPT(cfg, batch, seq)

@@ -33,6 +33,18 @@ from parlearn.multi_device.transformer.model import GPT, GPTConfig
 __all__ = ["torch_mesh_worker", "torch_mesh_train"]
 
 
+def _check_args(cfg, dp, tp, steps, batch, seq, lr, seed) -> None:
+    from parlearn.multi_device.mesh.composed import check_plan
+    from parlearn.multi_device.mesh.layout import MeshShape
+
+    dp, tp = check_int("dp", dp, lo=1), check_int("tp", tp, lo=1)
+    for name, v in (("steps", steps), ("batch", batch), ("seq", seq)):
+        check_int(name, v, lo=1)
+    check_float("lr", lr, lo=0, lo_open=True)
+    check_int("seed", seed, lo=0)
+    check_plan(cfg, MeshShape(dp, tp, 1), batch, seq, 1, False)
+
+
 def torch_mesh_worker(rank: int, world_size: int, cfg: GPTConfig, dp: int, tp: int, steps: int,
                       batch: int, seq: int, lr: float, seed: int) -> dict:
     """Worker: Adam steps of the GPT under TP (``parallelize_module``) then FSDP2
@@ -46,6 +58,10 @@ def torch_mesh_worker(rank: int, world_size: int, cfg: GPTConfig, dp: int, tp: i
         parallelize_module,
     )
 
+    # Every rank checks before its first collective (the mesh's own set-up is one).
+    _check_args(cfg, dp, tp, steps, batch, seq, lr, seed)
+    if world_size != dp * tp:
+        raise ValueError(f"world_size={world_size} must equal dp * tp = {dp * tp}")
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     model = GPT(cfg, dtype=torch.float64)
     plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
@@ -84,14 +100,7 @@ def torch_mesh_train(cfg: GPTConfig, dp: int, tp: int, *, steps: int = 3, batch:
                      timeout: float = 60) -> list[dict]:
     """Run :func:`torch_mesh_worker` on ``dp * tp`` gloo ranks; one dict per rank."""
     from parlearn.distributed import run
-    from parlearn.multi_device.mesh.composed import check_plan
-    from parlearn.multi_device.mesh.layout import MeshShape
 
-    dp, tp = check_int("dp", dp, lo=1), check_int("tp", tp, lo=1)
-    steps, batch, seq = (check_int(n, v, lo=1) for n, v in
-                         (("steps", steps), ("batch", batch), ("seq", seq)))
-    check_float("lr", lr, lo=0, lo_open=True)
-    check_int("seed", seed, lo=0)
-    check_plan(cfg, MeshShape(dp, tp, 1), batch, seq, 1, False)
+    _check_args(cfg, dp, tp, steps, batch, seq, lr, seed)
     return run(torch_mesh_worker, dp * tp, backend="gloo", timeout=timeout,
                args=(cfg, dp, tp, steps, batch, seq, lr, seed))

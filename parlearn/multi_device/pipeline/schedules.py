@@ -35,15 +35,28 @@ __all__ = ["SCHEDULES", "PLACEMENTS", "Op", "Schedule", "schedule", "bubble_form
 SCHEDULES = ("gpipe", "1f1b", "zb")
 
 
-class Op(NamedTuple):
-    """One operation of a rank: ``kind`` is ``"F"`` (forward), ``"B"`` (backward; in the
-    zero-bubble schedules only its input-gradient part) or ``"W"`` (weight gradient, those
-    schedules only); ``mb`` is the micro-batch; ``chunk`` which of the rank's model chunks
-    (virtual stages, :class:`Schedule`) it runs, 0 when a rank holds one stage."""
-
+class _OpFields(NamedTuple):
     kind: str
     mb: int
     chunk: int = 0
+
+
+class Op(_OpFields):
+    """One operation of a rank: ``kind`` is ``"F"`` (forward), ``"B"`` (backward; in the
+    zero-bubble schedules only its input-gradient part) or ``"W"`` (weight gradient, those
+    schedules only); ``mb`` is the micro-batch; ``chunk`` which of the rank's model chunks
+    (virtual stages, :class:`Schedule`) it runs, 0 when a rank holds one stage.
+
+    A user's own schedule is built from these, so each one is checked as it is made: an
+    unknown kind or a negative (or bool) index is refused naming the field."""
+
+    __slots__ = ()
+
+    def __new__(cls, kind: str, mb: int, chunk: int = 0):
+        check_choice("kind", kind, ("F", "B", "W"))
+        check_int("mb", mb, lo=0)
+        check_int("chunk", chunk, lo=0)
+        return super().__new__(cls, kind, mb, chunk)
 
     def __str__(self) -> str:
         return f"{self.kind}{self.mb}" + (f"c{self.chunk}" if self.chunk else "")

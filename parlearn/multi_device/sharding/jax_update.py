@@ -22,6 +22,14 @@ __all__ = ["jax_sharded_adam", "jax_sharded_adam_subprocess"]
 # JAX: the same update with an explicit psum_scatter on a mesh
 # ---------------------------------------------------------------------------------------------
 
+def _check_args(n_devices, n_in, n_out, batch, steps, lr, seed) -> None:
+    for name, v in (("n_devices", n_devices), ("n_in", n_in), ("n_out", n_out),
+                    ("batch", batch), ("steps", steps)):
+        check_int(name, v, lo=1)
+    check_float("lr", lr, lo=0, lo_open=True)
+    check_int("seed", seed, lo=0)
+
+
 def jax_sharded_adam(n_devices: int = 8, *, n_in: int = 13, n_out: int = 3, batch: int = 4,
                      steps: int = 3, lr: float = 1e-2, seed: int = 0) -> dict:
     """Weight-update sharding in JAX on ``n_devices`` devices, against the unsharded update.
@@ -36,10 +44,7 @@ def jax_sharded_adam(n_devices: int = 8, *, n_in: int = 13, n_out: int = 3, batc
     Returns ``{"max_abs_diff", "n_devices", "numel", "padded", "collectives": {op: count},
     "hlo_shapes": {op: [shape text, ...]}}`` from the compiled HLO of one sharded step.
     """
-    check_int("n_devices", n_devices, lo=1)
-    for name, v in (("n_in", n_in), ("n_out", n_out), ("batch", batch), ("steps", steps)):
-        check_int(name, v, lo=1)
-    check_float("lr", lr, lo=0, lo_open=True)
+    _check_args(n_devices, n_in, n_out, batch, steps, lr, seed)
     import jax
 
     jax.config.update("jax_enable_x64", True)
@@ -133,10 +138,18 @@ def jax_sharded_adam_subprocess(n_devices: int = 8, *, timeout: float = 120, **k
     The device count is fixed when JAX starts, so a notebook or test where JAX may already
     run asks a child process (about 2-5 s of start-up).
     """
+    import inspect
     import json
 
-    check_int("n_devices", n_devices, lo=1)
     check_float("timeout", timeout, lo=0, lo_open=True)
+    # Check here what the child would refuse, so a bad argument names itself, not a child's
+    # traceback (and costs no interpreter start).
+    try:
+        bound = inspect.signature(jax_sharded_adam).bind(n_devices, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"jax_sharded_adam_subprocess: {e}") from None
+    bound.apply_defaults()
+    _check_args(**bound.arguments)
     # The folder that holds the parlearn package: this file is parlearn/multi_device/sharding/.
     root = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 3))
     env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(n_devices), JAX_PLATFORMS="cpu",

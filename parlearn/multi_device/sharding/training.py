@@ -20,7 +20,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from parlearn.core.checks import check_choice, check_float, check_int, check_seed
+from parlearn.core.checks import (
+    check_bool,
+    check_choice,
+    check_device,
+    check_float,
+    check_int,
+    check_seed,
+)
 from parlearn.multi_device.sharding.cost import memory_model
 from parlearn.multi_device.sharding.zero import STAGES, ShardedAdam
 
@@ -298,6 +305,8 @@ def bench(device: torch.device, quick: bool) -> list:
     from parlearn.core.bench import Row
     from parlearn.core.timing import UNRELIABLE
 
+    check_device("device", device)   # checked, then unused: see the docstring
+    check_bool("quick", quick)
     spec = Spec(sizes=(64, 256, 256, 16) if quick else (256, 1024, 1024, 64), batch=16,
                 dtype=torch.float32)
     world = 2
