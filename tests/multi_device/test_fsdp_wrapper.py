@@ -149,14 +149,18 @@ def test_equal_to_fsdp2_with_the_same_policy(dtype_name, tol):
 def _bad(rank: int, world: int, which: str):
     model = zoo.build({"bn": "batchnorm"}.get(which, "relu"))
     kwargs = {"policy": dict(mp_policy="bf16"), "reshard": dict(reshard_after_forward=1),
-              "units": dict(units=[nn.Linear(2, 2)]), "bn": {}, "module": {}}[which]
+              "units": dict(units=[nn.Linear(2, 2)]), "bn": {}, "module": {},
+              "flat_by": dict(flat_by="by dim"), "unhashable": dict(flat_by=lambda n, p: [n]),
+              "key": dict(flat_by=lambda n, p: p.dim())}[which]
     shard_module(3 if which == "module" else model, **kwargs)
+    model.fsdp.shards("decay")   # keys are 1 and 2 here
 
 
 @pytest.mark.parametrize("which, name", [("policy", "mp_policy"),
                                          ("reshard", "reshard_after_forward"),
                                          ("units", "units"), ("bn", "BatchNorm1d"),
-                                         ("module", "module")])
+                                         ("module", "module"), ("flat_by", "flat_by"),
+                                         ("unhashable", "flat_by"), ("key", "key")])
 def test_bad_arguments_fail_on_every_rank_naming_them(which, name):
     assert_refused_on_every_rank(_bad, (which,), name=name)
 

@@ -37,7 +37,7 @@ def _batches():
 
 
 def _serial(decay_all: bool = False) -> list[dict[str, torch.Tensor]]:
-    """One process; ``decay_all`` decays norms and biases too (what flat shards can do)."""
+    """One process; ``decay_all`` decays norms and biases too (one flat shard per unit)."""
     model = GPT(CFG, dtype=torch.float64)
     groups = model.parameters() if decay_all else _groups(model)
     opt = torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -57,12 +57,15 @@ def _serial(decay_all: bool = False) -> list[dict[str, torch.Tensor]]:
 def _ranks(rank: int, world: int, how: str) -> list[dict[str, torch.Tensor]]:
     model = GPT(CFG, dtype=torch.float64)
     if how == "fsdp":
-        model = shard_module(model)
+        # One flat shard per unit and kind, so the groups pick matrices apart from vectors.
+        model = shard_module(model, flat_by=lambda name, p: "decay" if p.dim() >= 2 else "none")
+        opt = torch.optim.AdamW([{"params": model.fsdp.shards("decay"), "weight_decay": 0.1},
+                                 {"params": model.fsdp.shards("none"), "weight_decay": 0.0}],
+                                lr=3e-3, betas=(0.9, 0.95))
+    elif how == "fsdp-decay-all":
+        model = shard_module(model)   # one flat per unit: weight decay reaches every tensor
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95),
                                 weight_decay=0.1)
-        # shards mix matrices and vectors: weight decay on the flat shard would decay norms
-        # too, so this variant decays everything (the recipe's groups need per-tensor shards)
-        # and is compared with a serial run that does the same.
     else:
         opt = ShardedOptimizer(_groups(model), torch.optim.AdamW, stage=int(how[-1]),
                                lr=3e-3, betas=(0.9, 0.95))
@@ -76,22 +79,22 @@ def _ranks(rank: int, world: int, how: str) -> list[dict[str, torch.Tensor]]:
             part = mine[m * per_rank // MICRO:(m + 1) * per_rank // MICRO]
             _, loss = model(part[:, :-1], part[:, 1:])
             (loss / MICRO).backward()
-        if how == "fsdp":
+        if how.startswith("fsdp"):
             model.fsdp.clip_grad_norm_(0.5)
         else:
             opt.reduce_gradients()
             opt.clip_grad_norm_(0.5)
         opt.step()
         sched.step()
-        out.append(model.fsdp.full_state_dict() if how == "fsdp"
+        out.append(model.fsdp.full_state_dict() if how.startswith("fsdp")
                    else {n: p.detach().clone() for n, p in model.named_parameters()})
     return out
 
 
-@pytest.mark.parametrize("how", ["zero1", "zero2", "fsdp"])
+@pytest.mark.parametrize("how", ["zero1", "zero2", "fsdp", "fsdp-decay-all"])
 def test_the_gpt_recipe_sharded_equals_one_process(how):
     results = dist.run(_ranks, 2, args=(how,), timeout=60)
-    reference = _serial(decay_all=how == "fsdp")
+    reference = _serial(decay_all=how == "fsdp-decay-all")
     for rank, steps in enumerate(results):
         for k, (got, want) in enumerate(zip(steps, reference, strict=True)):
             for name, value in want.items():

@@ -23,10 +23,18 @@ Frozen parameters (``requires_grad=False``) sit in a unit's second buffer, gathe
 gradient; a parameter shared by two units is refused (put the modules in one unit with
 ``units=``). BatchNorm in training mode is refused: each rank's batch statistics differ.
 
-Param groups see shards, not tensors: a unit's shard holds its matrices and its norms and
-biases end to end, so "no weight decay on norms and biases" cannot pick them out (FSDP2
-shards each tensor as a DTensor and can). Here, put such tensors in units of their own, or
-decay them all. :meth:`ShardedModule.clip_grad_norm_` clips by the norm over all ranks.
+Param groups see shards, not tensors: a unit's shard holds its parameters end to end, so an
+optimizer cannot treat a unit's norms and biases apart from its matrices (FSDP2 shards each
+tensor as a DTensor and can). ``flat_by`` fixes that: ``flat_by(name, param)`` gives each
+trainable parameter a key, each unit keeps one flat shard per key, and
+:meth:`ShardedModule.shards` lists a key's shards for a param group::
+
+    model = shard_module(gpt, flat_by=lambda name, p: "decay" if p.dim() >= 2 else "none")
+    opt = torch.optim.AdamW([{"params": model.fsdp.shards("decay"), "weight_decay": 0.1},
+                             {"params": model.fsdp.shards("none"), "weight_decay": 0.0}])
+
+(one more all-gather per key and unit). :meth:`ShardedModule.clip_grad_norm_` clips by the
+norm over all ranks.
 
 Memory per rank (modeled, :meth:`ShardedModule.held_bytes` measures it): every unit's shard
 (``padded / N`` elements) and, while a unit runs, that unit's gathered buffer.
@@ -36,7 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +52,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from parlearn.core.checks import check_bool, check_float, check_module
+from parlearn.core.checks import check_bool, check_callable, check_float, check_module
 from parlearn.distributed.agree import agree
 
 __all__ = ["MixedPrecisionPolicy", "shard_module", "ShardedModule"]
@@ -71,11 +79,12 @@ _MARK = object()   # tags a saved tensor that backward gathers again
 
 
 class _Flat:
-    """One unit's parameters of one kind (trainable or frozen) as a padded flat shard."""
+    """One unit's parameters of one kind (trainable with one ``flat_by`` key, or frozen) as a
+    padded flat shard."""
 
     def __init__(self, owners: list[tuple[nn.Module, str]], params: list[nn.Parameter],
-                 world: int, rank: int, trainable: bool):
-        self.owners, self.trainable = owners, trainable
+                 world: int, rank: int, trainable: bool, key: Hashable = None):
+        self.owners, self.trainable, self.key = owners, trainable, key
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
@@ -126,7 +135,8 @@ class ShardedModule:
     policy, :meth:`no_sync`, :meth:`full_state_dict`, :meth:`held_bytes`."""
 
     def __init__(self, module: nn.Module, units: list[nn.Module], group: Any,
-                 policy: MixedPrecisionPolicy, reshard_after_forward: bool):
+                 policy: MixedPrecisionPolicy, reshard_after_forward: bool,
+                 keys: dict[int, Hashable]):
         self.module, self.group, self.policy = module, group, policy
         self.reshard = reshard_after_forward
         self.world, self.rank = tdist.get_world_size(group), tdist.get_rank(group)
@@ -149,16 +159,24 @@ class ShardedModule:
                     claimed[id(p)] = str(id(unit))
                     owners.append((sub, name, p))
             flats = []
-            for trainable in (True, False):
-                mine = [(s, n, p) for s, n, p in owners if p.requires_grad == trainable]
+            # One flat per kind: (True, key) for each flat_by key in order of first use,
+            # then (False, None) for the frozen parameters.
+            kinds: list[tuple[bool, Hashable]] = []
+            for _, _, p in owners:
+                kind = (True, keys[id(p)]) if p.requires_grad else (False, None)
+                if kind not in kinds:
+                    kinds.append(kind)
+            kinds.sort(key=lambda kind: not kind[0])   # stable: trainable first
+            for trainable, key in kinds:
+                mine = [(s, n, p) for s, n, p in owners
+                        if (p.requires_grad, keys[id(p)] if p.requires_grad else None)
+                        == (trainable, key)]
                 seen: dict[int, nn.Parameter] = {}
                 for _, _, p in mine:
                     seen.setdefault(id(p), p)
-                if not seen:
-                    continue
                 params = list(seen.values())
                 flat = _Flat([(s, n) for s, n, _ in mine], params, self.world, self.rank,
-                             trainable)
+                             trainable, key)
                 flat.index = [next(i for i, q in enumerate(params) if q is p)
                               for _, _, p in mine]
                 flats.append(flat)
@@ -246,6 +264,16 @@ class ShardedModule:
         return flat.regathered.as_strided(shape, stride, offset)
 
     # -- what users call --------------------------------------------------------------
+
+    def shards(self, key: Hashable = None) -> list[nn.Parameter]:
+        """The trainable shards whose parameters ``flat_by`` gave ``key`` (every trainable
+        shard when ``flat_by`` was not given), one per unit that has such parameters: the
+        ``params`` of a param group."""
+        flats = [f for _, fs in self.units for f in fs if f.trainable]
+        known = list(dict.fromkeys(f.key for f in flats))
+        if key not in known:
+            raise ValueError(f"key must be one of the keys flat_by gave, {known}, got {key!r}")
+        return [f.shard for f in flats if f.key == key]
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -354,12 +382,17 @@ def _refuse_batch_statistics(module: nn.Module) -> None:
 def shard_module(module: nn.Module, *, group: Any = None,
                  mp_policy: MixedPrecisionPolicy | None = None,
                  units: Sequence[nn.Module] | None = None,
-                 reshard_after_forward: bool = True) -> nn.Module:
+                 reshard_after_forward: bool = True,
+                 flat_by: Callable[[str, nn.Parameter], Hashable] | None = None) -> nn.Module:
     """Shard ``module``'s parameters over ``group`` in place (module docstring) and return
-    it; ``module.fsdp`` is its :class:`ShardedModule`. Every rank must pass the same model
-    (same parameter names and shapes, checked before the first message)."""
+    it; ``module.fsdp`` is its :class:`ShardedModule`. ``flat_by(name, param)``, called once
+    per trainable parameter, splits each unit's shard by key, for param groups
+    (:meth:`ShardedModule.shards`). Every rank must pass the same model (same parameter
+    names, shapes and keys, checked before the first message)."""
     check_module("module", module)
     check_bool("reshard_after_forward", reshard_after_forward)
+    if flat_by is not None:
+        check_callable("flat_by", flat_by)
     policy = MixedPrecisionPolicy() if mp_policy is None else mp_policy
     if not isinstance(policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
@@ -379,8 +412,16 @@ def shard_module(module: nn.Module, *, group: Any = None,
     if module not in units:
         units.append(module)
     _refuse_batch_statistics(module)
-    agree({"module (parameter names, shapes, dtypes, requires_grad)":
-           [(n, tuple(p.shape), str(p.dtype), p.requires_grad)
+    keys: dict[int, Hashable] = {}
+    for name, p in module.named_parameters():
+        keys[id(p)] = None if flat_by is None or not p.requires_grad else flat_by(name, p)
+        try:
+            hash(keys[id(p)])
+        except TypeError:
+            raise TypeError(f"flat_by must return a hashable key, got {keys[id(p)]!r} for "
+                            f"{name!r}") from None
+    agree({"module (parameter names, shapes, dtypes, requires_grad, flat_by keys)":
+           [(n, tuple(p.shape), str(p.dtype), p.requires_grad, repr(keys[id(p)]))
             for n, p in module.named_parameters()]}, group=group)
-    module.fsdp = ShardedModule(module, units, group, policy, reshard_after_forward)
+    module.fsdp = ShardedModule(module, units, group, policy, reshard_after_forward, keys)
     return module
