@@ -45,6 +45,7 @@ from parlearn.multi_device.sharding.cost import (
     ledger_wire_bytes,
     memory_model,
 )
+from parlearn.multi_device.sharding.dropin import VARIANTS, dropin_check, recipe_worker
 from parlearn.multi_device.sharding.engines import train_engine
 from parlearn.multi_device.sharding.fsdp import MixedPrecisionPolicy, ShardedModule, shard_module
 from parlearn.multi_device.sharding.jax_update import jax_sharded_adam, jax_sharded_adam_subprocess
@@ -74,4 +75,5 @@ __all__ = ["STAGES", "PRECISIONS", "FlatShard", "adam_update", "ShardedAdam", "m
            "train_engine", "memory_model", "comm_model", "gpus_needed", "draw_stages", "step_times",
            "jax_sharded_adam",
            "jax_sharded_adam_subprocess", "bench", "ShardedOptimizer", "owners",
-           "shard_module", "ShardedModule", "MixedPrecisionPolicy"]
+           "shard_module", "ShardedModule", "MixedPrecisionPolicy", "VARIANTS", "dropin_check",
+           "recipe_worker"]
