@@ -24,6 +24,10 @@ CASES: list[Case] = [
          bad={"variants": [[], "zero1", ["sgd"], [3]], "batch": [0, 3, 6],
               "micro_batches": [0, 4], "timeout": [0.0, -1.0]},
          run_good=False),   # starts rank processes
+    Case("parlearn.tensor_parallel.megatron_layers_check",
+         lambda: dict(world_size=2, seed=0, timeout=60.0),
+         ranges={"seed": (0, None)}, bad={"world_size": [0, 3, 5], "timeout": [0.0, -1.0]},
+         run_good=False),   # starts rank processes
 ]
 
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
@@ -39,6 +43,8 @@ COVERED_ELSEWHERE.update({
                                               "test_policy_refuses_non_float_dtypes",
     "parlearn.sharding.recipe_worker": "tests/multi_device/test_dropin_recipe.py::"
                                        "test_bad_arguments_fail_on_every_rank",
+    "parlearn.tensor_parallel.megatron_layers_worker":
+        "tests/multi_device/test_megatron_layers.py::test_lesson_check_refuses_bad_arguments",
 })
 EXEMPT: dict[str, str] = {
     "parlearn.sharding.ShardedModule": "built by shard_module() (which checks its arguments), "

@@ -271,3 +271,22 @@ def test_layers_need_a_process_group():
         tp.MegatronColumnParallelLinear(IN, OUT)
     with pytest.raises(ValueError, match="in_features"):   # the argument first, even so
         tp.MegatronRowParallelLinear(0, OUT)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_lesson_check_equals_full_layers_and_shows_the_summing_gather(world):
+    """megatron_layers_check (lesson 14): every layer equal to the full one; SP's summing
+    gather in place of Megatron's splitting one makes the weight gradient N times too large."""
+    res = tp.megatron_layers_check(world)
+    for layer, err in res.items():
+        if layer != "wrong_ratio":
+            assert err < 1e-12, (layer, err)
+    assert res["wrong_ratio"] == pytest.approx([float(world)] * world, rel=1e-12)
+
+
+def test_lesson_check_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="world_size"):
+        tp.megatron_layers_check(3)
+    with pytest.raises(ValueError, match="seed"):
+        tp.megatron_layers_check(2, seed=-1)
+    assert_refused_on_every_rank(tp.megatron_layers_worker, (True,), name="seed")

@@ -34,6 +34,10 @@ from parlearn.multi_device.tensor_parallel.conv import (
     halo_conv_worker,
     serial_conv,
 )
+from parlearn.multi_device.tensor_parallel.layer_check import (
+    megatron_layers_check,
+    megatron_layers_worker,
+)
 from parlearn.multi_device.tensor_parallel.layers import (
     GatherFromRanks,
     MegatronColumnParallelLinear,
@@ -100,6 +104,7 @@ __all__ = ["CopyToRanks", "SumOverRanks", "ColumnParallelLinear", "RowParallelLi
            "GatherFromRanks", "SplitToRanks", "MegatronColumnParallelLinear",
            "MegatronRowParallelLinear", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "serial_linear", "serial_embedding",
+           "megatron_layers_check", "megatron_layers_worker",
            "MOVEMENTS", "movement", "dot_product_test", "movement_matrix",
            "RankBroadcast", "RankSumReduce", "RankScatter", "RankGather", "RankAllGather",
            "RankReduceScatter",
