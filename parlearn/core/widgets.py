@@ -28,7 +28,7 @@ from traitlets import TraitError
 
 from parlearn.core.checks import check_int
 
-__all__ = ["Dashboard", "control", "OptionalRun"]
+__all__ = ["Dashboard", "control", "OptionalRun", "Predict"]
 
 
 def control(spec: Any, name: str) -> W.ValueWidget:
@@ -291,3 +291,104 @@ class OptionalRun:
         from IPython.display import display
 
         display(W.VBox([W.HBox([self.button, self.progress]), self.status]))
+
+
+class Predict:
+    """Predict, then run: the learner commits an answer *before* the cell that measures it,
+    and :meth:`reveal` sets the guess beside what was measured and modeled, with a reason.
+
+    ``Predict("the bubble fraction of 1F1B at P=4, M=8")`` shows the question and a box to
+    type a number into (or, with ``choices=``, a menu); ``value=`` fills it from code.
+    After the run, ``guess.reveal(measured=..., modeled=..., why=...)`` (or ``answer=``
+    for a choice) prints, e.g., "you guessed 0.2: measured 0.41 (you were 2.1x too low);
+    modeled (P-1)/(M+P-1) = 0.27" and returns that text. Without a guess it still shows
+    the result, so Run All works headless.
+    """
+
+    def __init__(self, question: str, *, unit: str = "", value: Any = None,
+                 choices: list | tuple | None = None) -> None:
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError(f"question must be a non-empty str, got {question!r}")
+        if not isinstance(unit, str):
+            raise TypeError(f"unit must be a str, got {type(unit).__name__}")
+        self.question, self.unit = question, unit
+        self.choices = None if choices is None else list(choices)
+        if self.choices is not None:
+            if len(self.choices) < 2:
+                raise ValueError(f"choices must offer at least two answers, got {choices!r}")
+            if value is not None and value not in self.choices:
+                raise ValueError(f"value must be one of choices {self.choices}, got {value!r}")
+            self.box = W.Dropdown(options=[("(choose)", None)] + [(str(c), c) for c in
+                                                                  self.choices],
+                                  value=value, layout={"width": "auto"})
+        else:
+            if value is not None and (isinstance(value, bool) or not isinstance(
+                    value, int | float)):
+                raise TypeError(f"value must be a number or None, got {value!r}")
+            self.box = W.Text(value="" if value is None else repr(value),
+                              placeholder="your number", layout={"width": "160px"})
+        self.verdict = W.HTML("")
+
+    @property
+    def value(self) -> Any:
+        """The committed answer: a float (or a choice), None when nothing was entered."""
+        if self.choices is not None:
+            return self.box.value
+        text = self.box.value.strip().replace(",", "")
+        if not text:
+            return None
+        try:
+            return float(text)
+        except ValueError:
+            return None
+
+    def reveal(self, *, measured: Any = None, modeled: Any = None, answer: Any = None,
+               why: str = "") -> str:
+        """Print (and return) the guess beside ``measured``, ``modeled`` (each a number, or
+        ``(number, "how")`` to say on what or by which formula) or the right ``answer``."""
+        if measured is None and modeled is None and answer is None:
+            raise ValueError("reveal needs measured, modeled or answer")
+        guess = self.value
+        parts = [f"Q: {self.question}",
+                 "you guessed " + ("nothing (type an answer above and run again)"
+                                   if guess is None else f"{_fmt(guess)}{self.unit}")]
+        if answer is not None:
+            right = guess is not None and guess == answer
+            parts.append(f"answer: {answer}" + ("" if guess is None else
+                                                (" (right)" if right else " (not this time)")))
+        for name, item in (("measured", measured), ("modeled", modeled)):
+            if item is None:
+                continue
+            number, how = item if isinstance(item, tuple) else (item, "")
+            line = f"{name}{' ' + how if how else ''}: {_fmt(number)}{self.unit}"
+            if isinstance(guess, float) and isinstance(number, int | float):
+                line += _off_by(guess, float(number))
+            parts.append(line)
+        if why:
+            parts.append(f"why: {why}")
+        text = "\n".join(parts)
+        self.verdict.value = f"<pre>{html.escape(text)}</pre>"
+        print(text)
+        return text
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(W.VBox([W.HTML(f"<b>Predict first:</b> {html.escape(self.question)}"
+                               + (f" ({html.escape(self.unit.strip())})" if self.unit.strip()
+                                  else "")), self.box]))
+
+
+def _fmt(x: Any) -> str:
+    return f"{x:.3g}" if isinstance(x, float) else str(x)
+
+
+def _off_by(guess: float, truth: float) -> str:
+    if guess == truth:
+        return " (exactly your guess)"
+    if guess > 0 and truth > 0:
+        ratio = max(guess, truth) / min(guess, truth)
+        if ratio < 1.05:
+            return " (within 5% of your guess)"
+        return f" (you were {ratio:.1f}x too {'high' if guess > truth else 'low'})"
+    return f" (you were off by {abs(guess - truth):.3g})"

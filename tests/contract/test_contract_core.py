@@ -275,6 +275,8 @@ COVERED_ELSEWHERE.update({
                                         "tests/core/test_widgets.py::test_ncols_is_checked"],
     "parlearn.core.widgets.OptionalRun":
         "tests/core/test_widgets.py::test_optional_run_now_runs_at_once_and_raises",
+    "parlearn.core.widgets.Predict": "tests/core/test_widgets.py::"
+                                     "test_predict_refuses_what_it_cannot_show",
     "parlearn.distributed.collectives.plot_collectives":
         "tests/distributed/test_dist.py::test_plot_collectives_draws_every_collective",
     "parlearn.distributed.collectives.ring_all_reduce":

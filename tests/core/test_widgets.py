@@ -187,3 +187,37 @@ def test_optional_run_moves_its_progress_bar():
     assert r.progress.value == 0.0
     r.button.click()
     assert seen == [0.5] and r.progress.value == 1.0 and r.text == "done"
+
+
+def test_predict_sets_the_guess_beside_measured_and_modeled(capsys):
+    from parlearn.core.widgets import Predict
+
+    p = Predict("the bubble at P=4, M=8", value=0.2)
+    text = p.reveal(measured=(0.41, "on 2 ranks"), modeled=(0.273, "(P-1)/(M+P-1)"), why="alpha")
+    assert "you guessed 0.2" in text and "2.0x too low" in text and "1.4x too low" in text
+    assert "why: alpha" in text and text in capsys.readouterr().out
+    p.box.value = "0.5"                    # typed in the box: read at reveal time
+    assert p.value == 0.5 and "1.2x too high" in p.reveal(measured=0.41)
+    p.box.value = "not a number"
+    assert p.value is None and "you guessed nothing" in p.reveal(measured=0.41)
+    c = Predict("equal to round-off?", choices=["yes", "no"], value="no")
+    assert "(not this time)" in c.reveal(answer="yes")
+    c.box.value = "yes"
+    assert "(right)" in c.reveal(answer="yes")
+
+
+def test_predict_refuses_what_it_cannot_show():
+    import pytest
+
+    from parlearn.core.widgets import Predict
+
+    with pytest.raises(ValueError, match="question"):
+        Predict("")
+    with pytest.raises(TypeError, match="value"):
+        Predict("q", value=True)
+    with pytest.raises(ValueError, match="value"):
+        Predict("q", choices=["a", "b"], value="c")
+    with pytest.raises(ValueError, match="choices"):
+        Predict("q", choices=["a"])
+    with pytest.raises(ValueError, match="reveal needs"):
+        Predict("q").reveal()
