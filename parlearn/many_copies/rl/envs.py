@@ -132,10 +132,10 @@ def _check_batch(env: Env, keys, states, actions) -> None:
         kind = {"f": "float", "b": "bool"}.get(np.dtype(spec.dtype).kind, "int")
         shape = check_array("states", leaf, kind=kind)
         if shape != (n, *spec.shape):
-            raise ValueError(f"states must have shape {(n, *spec.shape)} (one state per key), "
-                             f"got {shape}")
+            raise ValueError(f"states must have shape {(n, *spec.shape)}, one state per key "
+                             f"of keys, got {shape}")
     if check_array("actions", actions, kind="int") != (n,):
-        raise ValueError(f"actions must have shape ({n},) (one per key), got "
+        raise ValueError(f"actions must have shape ({n},), one action per key of keys, got "
                          f"{tuple(actions.shape)}")
     if not is_traced(actions):
         a = np.asarray(actions)
