@@ -267,7 +267,7 @@ CASES: list[Case] = [
          legal={"params": [None]}, check=_episode_returns),
     # trains: refusals only (each comes before JAX compiles anything)
     Case("parlearn.many_copies.rl.ppo.train_ppo",
-         lambda: dict(env=_env(), config=_ppo_config(), seed=0, records=None, eval_episodes=0),
+         lambda: dict(env=_env(), config=_ppo_config(), seed=0, records=3, eval_episodes=0),
          ranges={"seed": (0, None), "records": (1, 3), "eval_episodes": (0, None)},
          bad={"env": ENV_BAD, "config": ["ppo", {"lr": 1.0}]},
          legal={"config": [None], "records": [None]}, run_good=False),
