@@ -14,10 +14,27 @@ import functools
 
 import numpy as np
 
+from parlearn.many_copies.rl._checks import check_array, check_rate
+
 __all__ = ["gae", "gae_loop"]
 
 
 # --- GAE with time-outs bootstrapped: serial reference and lax.scan -----------------------
+
+def _check_gae(rewards, values, next_values, terminated, truncated, final_values, gamma, lam):
+    """Six (T, N) arrays of one shape (float, float, float, bool, bool, float; concrete ones
+    finite), T, N >= 1, and gamma, lam in [0, 1]; returns (gamma, lam)."""
+    shape = check_array("rewards", rewards, ndim=2)
+    if min(shape) < 1:
+        raise ValueError(f"rewards must be (T, N) with T, N >= 1, got shape {shape}")
+    for name, a, kind in (("values", values, "float"), ("next_values", next_values, "float"),
+                          ("terminated", terminated, "bool"), ("truncated", truncated, "bool"),
+                          ("final_values", final_values, "float")):
+        got = check_array(name, a, ndim=2, kind=kind)
+        if got != shape:
+            raise ValueError(f"{name} must have the shape of rewards {shape}, got {got}")
+    return check_rate("gamma", gamma), check_rate("lam", lam)
+
 
 def gae_loop(rewards, values, next_values, terminated, truncated, final_values,
              gamma: float, lam: float) -> tuple[np.ndarray, np.ndarray]:
@@ -26,8 +43,12 @@ def gae_loop(rewards, values, next_values, terminated, truncated, final_values,
     ``values[t]`` = V(s_t); ``next_values[t]`` = V(s_{t+1}) of the observation after the
     step (a fresh episode's after a reset); ``final_values[t]`` = V(final observation).
     The bootstrap after step t is 0 if terminated, ``final_values[t]`` if truncated, else
-    ``next_values[t]``; the advantage recursion stops at every episode end.
+    ``next_values[t]``; the advantage recursion stops at every episode end. Rewards and
+    values are finite float arrays, ``terminated`` and ``truncated`` bool arrays, all of one
+    shape; ``gamma`` and ``lam`` lie in [0, 1].
     """
+    gamma, lam = _check_gae(rewards, values, next_values, terminated, truncated, final_values,
+                            gamma, lam)
     r, v, nv, fv = (np.asarray(a, np.float64) for a in (rewards, values, next_values,
                                                         final_values))
     term, trunc = np.asarray(terminated, bool), np.asarray(truncated, bool)
@@ -53,8 +74,11 @@ def gae(rewards, values, next_values, terminated, truncated, final_values,
     """GAE for all copies at once (a reverse ``lax.scan`` over time); equals :func:`gae_loop`.
 
     One jitted program per shape (``gamma`` and ``lam`` are traced, so other values reuse
-    it); inside another jitted function it is inlined.
+    it); inside another jitted function it is inlined. The arguments are checked as in
+    :func:`gae_loop` (inside a jitted function: shapes and dtypes; NaN only of concrete arrays).
     """
+    gamma, lam = _check_gae(rewards, values, next_values, terminated, truncated, final_values,
+                            gamma, lam)
     return _gae_jit()(rewards, values, next_values, terminated, truncated, final_values,
                       gamma, lam)
 

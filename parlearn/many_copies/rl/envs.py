@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from parlearn.core.checks import check_int
+from parlearn.many_copies.rl._checks import check_array, check_keys, is_traced
 
 __all__ = ["Env", "cartpole", "gymnax_env", "batch_step", "step_loop", "batch_reset"]
 
@@ -106,17 +107,62 @@ def gymnax_env(name: str = "CartPole-v1") -> Env:
                int(env.num_actions), reset, step)
 
 
+def _check_env(env: Env) -> Env:
+    """``env`` if it is an :class:`Env` (what :func:`cartpole` and :func:`gymnax_env` build)."""
+    if not isinstance(env, Env):
+        raise TypeError(f"env must be a parlearn.rl.Env (cartpole(), gymnax_env()), got "
+                        f"{type(env).__name__}")
+    return env
+
+
+def _check_batch(env: Env, keys, states, actions) -> None:
+    """One key, one state and one action per copy: keys a batch of n keys; states ``n``
+    stacked copies of ``env.reset``'s state (same structure, kinds, shapes after the batch
+    axis; concrete floats finite); actions ``n`` integers in [0, env.n_actions) (checked
+    when concrete)."""
+    import jax
+
+    _check_env(env)
+    n = check_keys("keys", keys, batch=True)
+    one = _state_spec(env)
+    if jax.tree.structure(states) != jax.tree.structure(one):
+        raise ValueError(f"states must have the structure of env.reset's state "
+                         f"{jax.tree.structure(one)}, got {jax.tree.structure(states)}")
+    for leaf, spec in zip(jax.tree.leaves(states), jax.tree.leaves(one), strict=True):
+        kind = {"f": "float", "b": "bool"}.get(np.dtype(spec.dtype).kind, "int")
+        shape = check_array("states", leaf, kind=kind)
+        if shape != (n, *spec.shape):
+            raise ValueError(f"states must have shape {(n, *spec.shape)}, one state per key "
+                             f"of keys, got {shape}")
+    if check_array("actions", actions, kind="int") != (n,):
+        raise ValueError(f"actions must have shape ({n},), one action per key of keys, got "
+                         f"{tuple(actions.shape)}")
+    if not is_traced(actions):
+        a = np.asarray(actions)
+        if a.min() < 0 or a.max() >= env.n_actions:
+            raise ValueError(f"actions must lie in [0, {env.n_actions - 1}] (env.n_actions = "
+                             f"{env.n_actions}), got values from {a.min()} to {a.max()}")
+
+
 def batch_step(env: Env, keys, states, actions):
     """Step a batch of copies at once: ``jax.jit(jax.vmap(env.step))`` (compiled once per
-    environment and batch shape; inside another jitted function it is inlined)."""
+    environment and batch shape; inside another jitted function it is inlined).
+
+    ``keys``: one PRNG key per copy (``(n,)`` keys, or raw ``(n, 2)`` uint32 key data);
+    ``states``: ``n`` stacked states of ``env.reset``; ``actions``: ``n`` integers in
+    ``[0, env.n_actions)`` (their values are checked when concrete, not while tracing).
+    """
+    _check_batch(env, keys, states, actions)
     return _batched(env)[1](keys, states, actions)
 
 
 def step_loop(env: Env, keys, states, actions):
     """Serial reference for :func:`batch_step`: copy ``i`` is stepped alone by ``env.step``
     (jitted once, ``i`` traced), one call per copy in a Python loop; the results are
-    stacked with NumPy into :func:`batch_step`'s structure."""
+    stacked with NumPy into :func:`batch_step`'s structure. Arguments as :func:`batch_step`'s."""
     import jax
+
+    _check_batch(env, keys, states, actions)
 
     one = _batched(env)[2]
     outs = [one(keys, states, actions, i) for i in range(len(actions))]
@@ -141,9 +187,19 @@ def batch_reset(env: Env, key, n: int):
     """
     import jax
 
+    _check_env(env)
+    check_keys("key", key, batch=False)
     n = check_int("n", n, lo=1)
     m = max(_RESET_PAD, 1 << (n - 1).bit_length())
     return jax.tree.map(lambda a: jax.device_put(np.asarray(a)[:n]), _batched(env)[0](key, m))
+
+
+@functools.lru_cache(maxsize=16)
+def _state_spec(env: Env):
+    """The shapes and dtypes of one copy's state (traced, nothing runs)."""
+    import jax
+
+    return jax.eval_shape(env.reset, jax.random.key(0))[1]
 
 
 @functools.lru_cache(maxsize=16)

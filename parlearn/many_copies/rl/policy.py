@@ -9,6 +9,9 @@ import functools
 
 import numpy as np
 
+from parlearn.core.checks import check_int
+from parlearn.many_copies.rl._checks import check_array, check_keys
+
 __all__ = ["init_policy", "policy_logits_value"]
 
 
@@ -20,7 +23,10 @@ def init_policy(key, obs_dim: int, n_actions: int, hidden: int = 64) -> dict:
     One jitted program per (obs_dim, n_actions, hidden): eagerly, each layer's random
     draw compiles a program of its own (about half a second each on a CPU).
     """
-    return _init_jit()(key, int(obs_dim), int(n_actions), int(hidden))
+    check_keys("key", key, batch=False)
+    obs_dim = check_int("obs_dim", obs_dim, lo=1)
+    n_actions = check_int("n_actions", n_actions, lo=1)
+    return _init_jit()(key, obs_dim, n_actions, check_int("hidden", hidden, lo=1))
 
 
 @functools.cache
@@ -48,9 +54,63 @@ def _init_policy(key, obs_dim: int, n_actions: int, hidden: int) -> dict:
             "v": mlp(k_v, [obs_dim, hidden, hidden, 1], 1.0)}
 
 
+def _check_params(params, obs_dim: int | None = None,
+                  n_actions: int | None = None) -> tuple[int, int]:
+    """``params`` as :func:`init_policy` builds them: ``{"pi": layers, "v": layers}``, each a
+    list of ``{"w": (a, b), "b": (b,)}`` float arrays that chain, both taking the same
+    observation width, ``v`` ending in 1 output (concrete arrays finite). Returns (obs_dim,
+    n_actions); refuses other widths where ``obs_dim`` or ``n_actions`` are given."""
+    if not isinstance(params, dict) or set(params) != {"pi", "v"}:
+        raise TypeError("params must be a dict with keys 'pi' and 'v' (init_policy), got "
+                        + (f"keys {sorted(params)}" if isinstance(params, dict)
+                           else type(params).__name__))
+    widths = {}
+    for net in ("pi", "v"):
+        layers = params[net]
+        if not isinstance(layers, list | tuple) or not layers:
+            raise TypeError(f"params[{net!r}] must be a non-empty list of layers, got "
+                            f"{type(layers).__name__}")
+        width = None
+        for i, layer in enumerate(layers):
+            where = f"params[{net!r}][{i}]"
+            if not isinstance(layer, dict) or set(layer) != {"w", "b"}:
+                raise TypeError(f"{where} must be a dict with keys 'w' and 'b'")
+            a, b = check_array(f"{where}['w']", layer["w"], ndim=2)
+            if check_array(f"{where}['b']", layer["b"], ndim=1) != (b,):
+                raise ValueError(f"{where}['b'] must have shape ({b},) like the columns of "
+                                 f"its 'w' {(a, b)}, got {tuple(layer['b'].shape)}")
+            if width is not None and a != width:
+                raise ValueError(f"{where}['w'] must have {width} rows (the previous layer's "
+                                 f"outputs), got shape {(a, b)}")
+            widths.setdefault(net, (a, b))
+            width = b
+        widths[net] = (widths[net][0], width)
+    if widths["pi"][0] != widths["v"][0]:
+        raise ValueError(f"params['pi'] and params['v'] must take the same observation width, "
+                         f"got {widths['pi'][0]} and {widths['v'][0]}")
+    if widths["v"][1] != 1:
+        raise ValueError(f"params['v'] must end in 1 output (the value), got {widths['v'][1]}")
+    dims = widths["pi"]
+    for name, want, got in (("obs_dim", obs_dim, dims[0]), ("n_actions", n_actions, dims[1])):
+        if want is not None and want != got:
+            raise ValueError(f"params must be a policy for {name}={want} (the env's), got "
+                             f"{name}={got}")
+    return dims
+
+
 def policy_logits_value(params: dict, obs):
-    """Action logits and state value for a batch of observations."""
+    """Action logits and state value for a batch of observations.
+
+    ``params`` as :func:`init_policy` builds them; ``obs``: float ``(..., obs_dim)``
+    (concrete ones finite; inside a jitted function only shapes and dtypes are checked).
+    """
     import jax.numpy as jnp
+
+    obs_dim, _ = _check_params(params)
+    shape = check_array("obs", obs)
+    if not shape or shape[-1] != obs_dim:
+        raise ValueError(f"obs must have shape (..., {obs_dim}) (the policy's obs_dim), got "
+                         f"{shape}")
 
     def mlp(layers, x):
         for layer in layers[:-1]:

@@ -26,8 +26,8 @@ import numpy as np
 
 from parlearn.core.checks import check_float, check_int
 from parlearn.many_copies.rl.advantages import gae
-from parlearn.many_copies.rl.envs import Env, batch_reset, batch_step
-from parlearn.many_copies.rl.policy import _adam, init_policy, policy_logits_value
+from parlearn.many_copies.rl.envs import Env, _check_env, batch_reset, batch_step
+from parlearn.many_copies.rl.policy import _adam, _check_params, init_policy, policy_logits_value
 
 __all__ = ["PPOConfig", "PPOResult", "train_ppo", "evaluate", "time_to_target"]
 
@@ -194,21 +194,25 @@ def train_ppo(env: Env, config: PPOConfig | None = None, *, seed: int = 0,
 
     Every update: a rollout of ``num_steps`` steps of all copies (phase 1), GAE (phase 2),
     ``epochs`` x ``minibatches`` Adam steps on the clipped loss (phase 3). The update is
-    compiled before the clock starts; updates run in ``records`` chunks (default: one
-    update per chunk), and the wall time is read between them. With ``eval_episodes > 0``
-    the policy is also evaluated at every chunk boundary (:func:`evaluate`, same seed each
-    time) with the clock stopped. Seeded: same arguments, same policy.
+    compiled before the clock starts; updates run in exactly ``records`` chunks, as equal as
+    they divide (``records <= config.updates``; default: one update per chunk), and the wall
+    time is read between them. With ``eval_episodes > 0`` the policy is also evaluated at
+    every chunk boundary (:func:`evaluate`, same seed each time) with the clock stopped.
+    Seeded: same arguments, same policy.
     """
     import jax
 
-    if not isinstance(env, Env):
-        raise TypeError(f"env must be a parlearn.rl.Env, got {type(env).__name__}")
+    _check_env(env)
     cfg = PPOConfig() if config is None else config
     if not isinstance(cfg, PPOConfig):
         raise TypeError(f"config must be a PPOConfig, got {type(cfg).__name__}")
     check_int("seed", seed, lo=0)
     check_int("eval_episodes", eval_episodes, lo=0)
-    per_call = 1 if records is None else -(-cfg.updates // check_int("records", records, lo=1))
+    # records chunks, exactly: chunk i runs updates bounds[i]..bounds[i+1]-1
+    records = cfg.updates if records is None else check_int("records", records, lo=1,
+                                                            hi=cfg.updates)
+    bounds = [i * cfg.updates // records for i in range(records + 1)]
+    per_call = -(-cfg.updates // records)  # the longest chunk
     carry = _init_carry(env, cfg, seed)
     run = _ppo_program(env, cfg, per_call)
 
@@ -224,8 +228,7 @@ def train_ppo(env: Env, config: PPOConfig | None = None, *, seed: int = 0,
     compile_s = time.perf_counter() - t0
     steps, returns, evals, wall = [0], [np.nan], [policy_return()], [0.0]
     elapsed = 0.0
-    for start in range(0, cfg.updates, per_call):
-        stop = min(start + per_call, cfg.updates)
+    for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
         t0 = time.perf_counter()
         carry, rets = run(carry, start, stop)
         rets = np.asarray(rets)[: stop - start]  # waits for the updates to finish
@@ -264,9 +267,13 @@ def evaluate(env: Env, params: dict | None, *, episodes: int = 64, max_steps: in
     logits). Both go through one compiled program, the choice passed as a traced flag, so
     the random baseline beside a default-sized policy (``init_policy``'s shapes) compiles
     nothing new; ``params=None`` runs that policy's network and discards its logits.
+    ``params`` must be a policy for ``env`` (its ``obs_dim`` and ``n_actions``).
     """
     import jax
 
+    _check_env(env)
+    if params is not None:
+        _check_params(params, env.obs_dim, env.n_actions)
     check_int("episodes", episodes, lo=1)
     check_int("max_steps", max_steps, lo=1)
     check_int("seed", seed, lo=0)

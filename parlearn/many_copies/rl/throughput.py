@@ -8,11 +8,13 @@ imported inside the functions, so ``import parlearn.rl`` does not start it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from parlearn.core.checks import check_choice, check_int
-from parlearn.many_copies.rl.envs import Env, batch_reset, batch_step, cartpole
+from parlearn.many_copies.rl.envs import Env, _check_env, batch_reset, batch_step, cartpole
 from parlearn.many_copies.rl.policy import init_policy, policy_logits_value
 
 __all__ = ["env_steps_per_second", "bench"]
@@ -33,12 +35,17 @@ def env_steps_per_second(env: Env, num_envs, *, steps: int = 64, repeat: int = 5
 
     from parlearn.core.timing import measure
 
+    _check_env(env)
+    if isinstance(num_envs, str | bytes) or not isinstance(num_envs, Sequence | np.ndarray):
+        raise TypeError(f"num_envs must be a list of ints (numbers of copies), got "
+                        f"{type(num_envs).__name__}")
+    sizes = [check_int(f"num_envs[{i}]", n, lo=1) for i, n in enumerate(num_envs)]
+    if not sizes:
+        raise ValueError("num_envs must hold at least one size")
     mode = check_choice("mode", mode, ("policy", "random"))
     check_int("steps", steps, lo=1)
     check_int("repeat", repeat, lo=1)
-    sizes = [check_int("num_envs[i]", n, lo=1) for n in num_envs]
-    if not sizes:
-        raise ValueError("num_envs must hold at least one size")
+    check_int("seed", seed, lo=0)
     out: dict = {"num_envs": sizes, "steps_per_s": [], "spread": [], "compile_s": [],
                  "device": str(jax.devices()[0]), "mode": mode}
     for n in sizes:
