@@ -76,9 +76,15 @@ def _orthonormal_top(result, kw):
     assert np.all(np.diff(lam) <= 0)
 
 
+def _same_data(result, kw):
+    from parlearn.many_copies.eigengame.inputs import synthetic_data
+    np.testing.assert_array_equal(result, synthetic_data(kw["n"], kw["d"]))
+
+
 OPEN_BOTH = [0.0, 1.0, -0.5, 1.5]
 POSITIVE = [0.0, -1.0]
 BAD_X = [np.zeros((8, 3), dtype=np.int64), _nan(_x()), _x()[0], np.zeros((0, 3))]
+BAD_MESH = [(1,), (0, 1), (1, True), 1, "11", (3, 1), (1, 3)]
 
 CASES: list[Case] = [
     Case("parlearn.many_copies.eigengame.inputs.synthetic_data",
@@ -181,6 +187,48 @@ CASES: list[Case] = [
          check=lambda r, kw: None if r == (0.2, 20) else pytest.fail(f"{r}")),
 ]
 
+CASES += [
+    # eigengame on a mesh: compiles XLA, or starts a child Python
+    Case("parlearn.many_copies.eigengame.training.fit_sharded",
+         lambda: dict(x=_x(), k=2, mesh_shape=(1, 1), method="mu", batch=None, lr=0.1, steps=2,
+                      record_every=None, seed=0, v0=None),
+         ranges={"k": (1, 3), "batch": (1, 8), "steps": (1, None), "seed": (0, None)},
+         bad={"x": BAD_X, "mesh_shape": BAD_MESH, "method": ["oja"], "lr": POSITIVE,
+              "record_every": [0, 3], "v0": [_v(4, 2), _v(3, 3), _nan(_v())]},
+         legal={"batch": [None], "record_every": [None], "v0": [None]},
+         run_good=False),  # an XLA compile per call
+    Case("parlearn.many_copies.eigengame.devices.compare_sharded",
+         lambda: dict(x=_x(), k=2, mesh_shapes=[(1, 1)], method="mu", lr=0.1, steps=2),
+         ranges={"k": (1, 3)},
+         bad={"x": BAD_X, "mesh_shapes": [[], (1, 1), "1x1", [(1,)], [(0, 1)], [(3, 1)],
+                                          [(1, True)]],
+              "method": ["oja"], "lr": POSITIVE, "steps": [0, -1]},
+         check=lambda r, kw: None if r["max_abs_diff"]["1x1"] <= 1e-12
+         else pytest.fail(f"{r['max_abs_diff']}")),
+    Case("parlearn.many_copies.eigengame.devices.run_with_devices",
+         lambda: dict(n_devices=1, function="synthetic_data", timeout=120.0, n=8, d=3),
+         bad={"n_devices": [0, -1], "function": ["bench", "run_with_devices", "os.system"],
+              "timeout": POSITIVE},
+         skip={"n": "passed on to the child's function, whose own contract checks it",
+               "d": "passed on to the child's function, whose own contract checks it"},
+         check=_same_data),  # one child Python (no JAX needed by synthetic_data)
+    Case("parlearn.many_copies.eigengame.speed.throughput",
+         lambda: dict(x=_x(), k=2, batch_sizes=[1, 2], samples=4, method="mu", lr=0.1,
+                      repeat=1, dtype="float64", seed=0),
+         ranges={"k": (1, 3), "samples": (1, 8), "repeat": (1, None), "seed": (0, None)},
+         bad={"x": BAD_X, "batch_sizes": [[], [0], [9], 3, "12", [True]], "samples": [3],
+              "method": ["oja"], "lr": POSITIVE, "dtype": ["float16"]},
+         run_good=False),  # measures, after an XLA compile
+    Case("parlearn.many_copies.eigengame.speed.sharded_throughput",
+         lambda: dict(x=_x(), k=2, mesh_shapes=[(1, 1)], batch=4, steps=2, method="mu",
+                      lr=0.1, repeat=1, dtype="float64", seed=0),
+         ranges={"k": (1, 3), "batch": (1, 8), "steps": (1, None), "repeat": (1, None),
+                 "seed": (0, None)},
+         bad={"x": BAD_X, "mesh_shapes": [(1, 1), "1x1", [(1,)], [(0, 1)], [(3, 1)]],
+              "method": ["oja"], "lr": POSITIVE, "dtype": ["float16"]},
+         run_good=False),  # measures, after an XLA compile
+]
+
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
 
 COVERED_ELSEWHERE: dict[str, str | list[str]] = {}
@@ -204,11 +252,6 @@ PENDING = [
     "parlearn.many_copies.decoding.mean_field.mean_field_commit",
     "parlearn.many_copies.decoding.mean_field.overlap_coupling",
     "parlearn.many_copies.decoding.mean_field.overlap_coupling_dense",
-    "parlearn.many_copies.eigengame.devices.compare_sharded",
-    "parlearn.many_copies.eigengame.devices.run_with_devices",
-    "parlearn.many_copies.eigengame.speed.sharded_throughput",
-    "parlearn.many_copies.eigengame.speed.throughput",
-    "parlearn.many_copies.eigengame.training.fit_sharded",
     "parlearn.many_copies.rl.advantages.gae",
     "parlearn.many_copies.rl.advantages.gae_loop",
     "parlearn.many_copies.rl.envs.batch_reset",
