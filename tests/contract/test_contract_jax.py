@@ -151,7 +151,8 @@ OPEN_BOTH = [0.0, 1.0, -0.5, 1.5]
 POSITIVE = [0.0, -1.0]
 BAD_X = [np.zeros((8, 3), dtype=np.int64), _nan(_x()), _x()[0], np.zeros((0, 3))]
 BAD_PROBS = [_probs()[0], torch.zeros(2, 3, 4, dtype=torch.int64), _probs() * 2, -_probs(),
-             torch.zeros(2, 3, 0, dtype=torch.float64)]
+             torch.zeros(2, 3, 0, dtype=torch.float64),
+             torch.tensor([1.5, -0.5, 0, 0], dtype=torch.float64).expand(2, 3, 4)]  # sums 1
 BAD_MASK = [torch.ones(2, 3), torch.ones(2, 4, dtype=torch.bool), torch.ones(3, dtype=torch.bool)]
 BAD_MESH = [(1,), (0, 1), (1, True), 1, "11", (3, 1), (1, 3)]
 
