@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from harness import Case, contract_tests
 
 pytestmark = pytest.mark.fresh_process
@@ -32,6 +33,11 @@ def _nan(a):
     a = a.copy()
     a.flat[0] = math.nan
     return a
+
+
+def _dense_coupling():
+    from parlearn.many_copies.decoding.mean_field import overlap_coupling_dense
+    return overlap_coupling_dense
 
 
 def _dqn_config():
@@ -76,9 +82,79 @@ def _orthonormal_top(result, kw):
     assert np.all(np.diff(lam) <= 0)
 
 
+def _probs(b=2, length=3, v=4, seed=0):
+    """(b, length, v) float64 softmax distributions (none sure enough to be decoupled)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(b, length, v, generator=g, dtype=torch.float64), -1)
+
+
+def _mask():
+    """(2, 3) with one unmasked position."""
+    m = torch.ones(2, 3, dtype=torch.bool)
+    m[1, 0] = False
+    return m
+
+
+def _conf():
+    return torch.rand(2, 3, generator=torch.Generator().manual_seed(3),
+                      dtype=torch.float64) * 0.8 + 0.1
+
+
+def _overlap_ok(result, kw, symmetric=True):
+    """Values in [0, 1], 1 on the diagonal (JSD(p, p) = 0), symmetric when nothing is cut."""
+    b, length, _ = kw["probs"].shape
+    assert result.shape == (b, length, length) and bool(((result >= 0) & (result <= 1)).all())
+    torch.testing.assert_close(result.diagonal(dim1=1, dim2=2),
+                               torch.ones(b, length, dtype=result.dtype), atol=1e-9, rtol=0)
+    if symmetric:
+        torch.testing.assert_close(result, result.transpose(1, 2), atol=1e-12, rtol=0)
+
+
+def _top_k_overlap(result, kw):
+    """Cut or not, an overlap; with nothing cut (top_k >= V), the dense form."""
+    from parlearn.many_copies.decoding.mean_field import overlap_coupling_dense
+    _overlap_ok(result, kw, symmetric=False)
+    if kw["top_k"] >= kw["probs"].shape[-1]:
+        torch.testing.assert_close(result, overlap_coupling_dense(kw["probs"], kw["masked"]),
+                                   atol=1e-9, rtol=0)
+
+
+def _coupling(result, kw):
+    """lam * overlap * exp(-|i - j| / length_scale) (no position here is sure)."""
+    pos = torch.arange(3, dtype=torch.float64)
+    kernel = torch.exp(-(pos[:, None] - pos[None, :]).abs() / kw["length_scale"])
+    want = kw["lam"] * kw["coupling"](kw["probs"], kw["masked"]) * kernel
+    torch.testing.assert_close(result, want, atol=1e-12, rtol=0)
+
+
+def _auto_tau(result, kw):
+    """logit(tau) = logit(min c over the masked positions of the row) - 1."""
+    c = kw["conf"].masked_fill(~kw["masked"], 2.0).min(-1).values
+    torch.testing.assert_close(result, torch.sigmoid(torch.logit(c) - 1), atol=1e-12, rtol=0)
+
+
+def _uncoupled(result, kw):
+    """J = 0: q = sigmoid(beta (logit c - logit tau)) on the mask, 0 off it: c > tau commits."""
+    commit, q, _, _ = result
+    c, m, tau = kw["conf"], kw["masked"], kw["tau"]
+    want = torch.sigmoid(kw["beta"] * (torch.logit(c) - math.log(tau / (1 - tau)))) * m
+    torch.testing.assert_close(q, want, atol=1e-12, rtol=0)
+    assert torch.equal(commit, (c > tau) & m)
+
+
+def _same_data(result, kw):
+    from parlearn.many_copies.eigengame.inputs import synthetic_data
+    np.testing.assert_array_equal(result, synthetic_data(kw["n"], kw["d"]))
+
+
 OPEN_BOTH = [0.0, 1.0, -0.5, 1.5]
 POSITIVE = [0.0, -1.0]
 BAD_X = [np.zeros((8, 3), dtype=np.int64), _nan(_x()), _x()[0], np.zeros((0, 3))]
+BAD_PROBS = [_probs()[0], torch.zeros(2, 3, 4, dtype=torch.int64), _probs() * 2, -_probs(),
+             torch.zeros(2, 3, 0, dtype=torch.float64),
+             torch.tensor([1.5, -0.5, 0, 0], dtype=torch.float64).expand(2, 3, 4)]  # sums 1
+BAD_MASK = [torch.ones(2, 3), torch.ones(2, 4, dtype=torch.bool), torch.ones(3, dtype=torch.bool)]
+BAD_MESH = [(1,), (0, 1), (1, True), 1, "11", (3, 1), (1, 3)]
 
 CASES: list[Case] = [
     Case("parlearn.many_copies.eigengame.inputs.synthetic_data",
@@ -181,6 +257,81 @@ CASES: list[Case] = [
          check=lambda r, kw: None if r == (0.2, 20) else pytest.fail(f"{r}")),
 ]
 
+CASES += [
+    # decoding's mean field: the couplings (torch) and the fixed point (a JAX kernel on CPU)
+    Case("parlearn.many_copies.decoding.mean_field.overlap_coupling_dense",
+         lambda: dict(probs=_probs(), masked=_mask()),
+         bad={"probs": BAD_PROBS, "masked": BAD_MASK}, check=_overlap_ok),
+    Case("parlearn.many_copies.decoding.mean_field.overlap_coupling",
+         lambda: dict(probs=_probs(), masked=_mask(), top_k=4),
+         ranges={"top_k": (1, None)}, bad={"probs": BAD_PROBS, "masked": BAD_MASK},
+         check=_top_k_overlap),
+    Case("parlearn.many_copies.decoding.mean_field.coupling_matrix",
+         lambda: dict(probs=_probs(), masked=_mask(), lam=2.0, coupling=_dense_coupling(),
+                      length_scale=1.5),
+         ranges={"lam": (0.0, None)},
+         bad={"probs": BAD_PROBS, "masked": BAD_MASK, "length_scale": POSITIVE,
+              "coupling": ["overlap", 3, lambda p, m: torch.ones(1),
+                           lambda p, m: -torch.ones(2, 3, 3)]},
+         legal={"length_scale": [None]}, check=_coupling),
+    Case("parlearn.many_copies.decoding.mean_field.auto_tau",
+         lambda: dict(conf=_conf(), masked=_mask()),
+         bad={"conf": [_conf()[0], _conf() + 1, -_conf(), torch.ones(2, 3, dtype=torch.int64),
+                       torch.rand(2, 4, dtype=torch.float64)], "masked": BAD_MASK},
+         check=_auto_tau),
+    Case("parlearn.many_copies.decoding.mean_field.mean_field_commit",
+         lambda: dict(conf=_conf(), J=torch.zeros(2, 3, 3, dtype=torch.float64), masked=_mask(),
+                      tau=0.5, beta=8.0, eta=0.5, tol=1e-7, max_iter=200),
+         ranges={"max_iter": (1, None)},
+         bad={"conf": [_conf() + 1, _conf()[0]], "masked": BAD_MASK,
+              "J": [torch.zeros(2, 3, 3), torch.zeros(2, 3, 4, dtype=torch.float64),
+                    -torch.ones(2, 3, 3, dtype=torch.float64)],
+              "tau": [0.0, 1.0, -0.1, 1.5, torch.tensor([0.5], dtype=torch.float64),
+                      torch.tensor([0.0, 0.5], dtype=torch.float64)],
+              "beta": POSITIVE, "eta": [0.0, -0.1, 1.5], "tol": POSITIVE},
+         check=_uncoupled),
+
+    # eigengame on a mesh: compiles XLA, or starts a child Python
+    Case("parlearn.many_copies.eigengame.training.fit_sharded",
+         lambda: dict(x=_x(), k=2, mesh_shape=(1, 1), method="mu", batch=None, lr=0.1, steps=2,
+                      record_every=None, seed=0, v0=None),
+         ranges={"k": (1, 3), "batch": (1, 8), "steps": (1, None), "seed": (0, None)},
+         bad={"x": BAD_X, "mesh_shape": BAD_MESH, "method": ["oja"], "lr": POSITIVE,
+              "record_every": [0, 3], "v0": [_v(4, 2), _v(3, 3), _nan(_v())]},
+         legal={"batch": [None], "record_every": [None], "v0": [None]},
+         run_good=False),  # an XLA compile per call
+    Case("parlearn.many_copies.eigengame.devices.compare_sharded",
+         lambda: dict(x=_x(), k=2, mesh_shapes=[(1, 1)], method="mu", lr=0.1, steps=2),
+         ranges={"k": (1, 3)},
+         bad={"x": BAD_X, "mesh_shapes": [[], (1, 1), "1x1", [(1,)], [(0, 1)], [(3, 1)],
+                                          [(1, True)]],
+              "method": ["oja"], "lr": POSITIVE, "steps": [0, -1]},
+         check=lambda r, kw: None if r["max_abs_diff"]["1x1"] <= 1e-12
+         else pytest.fail(f"{r['max_abs_diff']}")),
+    Case("parlearn.many_copies.eigengame.devices.run_with_devices",
+         lambda: dict(n_devices=1, function="synthetic_data", timeout=120.0, n=8, d=3),
+         bad={"n_devices": [0, -1], "function": ["bench", "run_with_devices", "os.system"],
+              "timeout": POSITIVE},
+         skip={"n": "passed on to the child's function, whose own contract checks it",
+               "d": "passed on to the child's function, whose own contract checks it"},
+         check=_same_data),  # one child Python (no JAX needed by synthetic_data)
+    Case("parlearn.many_copies.eigengame.speed.throughput",
+         lambda: dict(x=_x(), k=2, batch_sizes=[1, 2], samples=4, method="mu", lr=0.1,
+                      repeat=1, dtype="float64", seed=0),
+         ranges={"k": (1, 3), "samples": (1, 8), "repeat": (1, None), "seed": (0, None)},
+         bad={"x": BAD_X, "batch_sizes": [[], [0], [9], 3, "12", [True]], "samples": [3],
+              "method": ["oja"], "lr": POSITIVE, "dtype": ["float16"]},
+         run_good=False),  # measures, after an XLA compile
+    Case("parlearn.many_copies.eigengame.speed.sharded_throughput",
+         lambda: dict(x=_x(), k=2, mesh_shapes=[(1, 1)], batch=4, steps=2, method="mu",
+                      lr=0.1, repeat=1, dtype="float64", seed=0),
+         ranges={"k": (1, 3), "batch": (1, 8), "steps": (1, None), "repeat": (1, None),
+                 "seed": (0, None)},
+         bad={"x": BAD_X, "mesh_shapes": [(1, 1), "1x1", [(1,)], [(0, 1)], [(3, 1)]],
+              "method": ["oja"], "lr": POSITIVE, "dtype": ["float16"]},
+         run_good=False),  # measures, after an XLA compile
+]
+
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
 
 COVERED_ELSEWHERE: dict[str, str | list[str]] = {}
@@ -198,24 +349,4 @@ EXEMPT: dict[str, str] = {
 }
 
 # Public callables whose contract test is still to be written (test_completeness: only shrinks).
-PENDING = [
-    "parlearn.many_copies.decoding.mean_field.auto_tau",
-    "parlearn.many_copies.decoding.mean_field.coupling_matrix",
-    "parlearn.many_copies.decoding.mean_field.mean_field_commit",
-    "parlearn.many_copies.decoding.mean_field.overlap_coupling",
-    "parlearn.many_copies.decoding.mean_field.overlap_coupling_dense",
-    "parlearn.many_copies.eigengame.devices.compare_sharded",
-    "parlearn.many_copies.eigengame.devices.run_with_devices",
-    "parlearn.many_copies.eigengame.speed.sharded_throughput",
-    "parlearn.many_copies.eigengame.speed.throughput",
-    "parlearn.many_copies.eigengame.training.fit_sharded",
-    "parlearn.many_copies.qd.qdax_engine.qdax_map_elites",
-    "parlearn.many_copies.qd.search.cell_index",
-    "parlearn.many_copies.qd.search.insert",
-    "parlearn.many_copies.qd.search.insert_loop",
-    "parlearn.many_copies.qd.search.isoline_variation",
-    "parlearn.many_copies.qd.search.map_elites",
-    "parlearn.many_copies.qd.search.score_batch",
-    "parlearn.many_copies.qd.search.score_loop",
-    "parlearn.many_copies.qd.throughput.evals_per_second",
-]
+PENDING: list[str] = []

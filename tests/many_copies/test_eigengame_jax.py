@@ -175,6 +175,8 @@ BAD = [
     (E.throughput, (X, K), {"dtype": "float16", "samples": 8, "batch_sizes": (1,)}, ValueError,
      "dtype must be one of"),
     (E.run_with_devices, (8, "os.system"), {}, ValueError, "function must be one of"),
+    (E.run_with_devices, (1, "synthetic_data", object()), {}, TypeError, "as JSON"),
+    (E.compare_sharded, (X, K, [(1, 1)]), {"step": 2}, TypeError, "fit does not take"),
     (E.collective_bytes, (X, K), {"mesh_shape": (3, 1), "batch": 40}, ValueError, "multiple"),
 ]
 

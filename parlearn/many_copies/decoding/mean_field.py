@@ -28,10 +28,12 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
+from parlearn.core.checks import check_callable, check_float, check_int, check_tensor
 from parlearn.many_copies.decoding.strategies import _at_least_one, confidence
 
 __all__ = ["overlap_coupling", "overlap_coupling_dense", "coupling_matrix", "auto_tau",
@@ -41,11 +43,46 @@ Coupling = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _EPS = 1e-6
 _SURE = 1 - 1e-3  # confidence at which a position is decoupled (see coupling_matrix)
 
+def _check_probs(probs: Any, masked: Any) -> None:
+    """``probs`` (B, L, V) distributions over the last axis (finite, >= 0, rows summing to
+    1 within 1e-2: softmax round-off, not unnormalised scores), ``masked`` (B, L) bool."""
+    check_tensor("probs", probs, ndim=3, floating=True)
+    check_tensor("masked", masked, dtype=torch.bool)
+    if masked.shape != probs.shape[:2]:
+        raise ValueError(f"masked must have the (B, L) of probs {tuple(probs.shape)}, got "
+                         f"{tuple(masked.shape)}")
+    if probs.shape[-1] < 1:
+        raise ValueError(f"probs must be (B, L, V) with V >= 1, got {tuple(probs.shape)}")
+    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
+        raise ValueError("probs must hold finite, non-negative probabilities")
+    sums = probs.sum(-1)
+    if not bool(((sums - 1).abs() <= 1e-2).all()):
+        raise ValueError(f"probs must sum to 1 over the last axis (within 1e-2), got sums "
+                         f"from {sums.min().item():.4g} to {sums.max().item():.4g}")
+
+
+def _check_conf(conf: Any, masked: Any) -> None:
+    """``conf`` (B, L) floating, in [0, 1] on the masked positions (anything elsewhere:
+    :func:`confidence` puts -inf there); ``masked`` (B, L) bool."""
+    check_tensor("conf", conf, ndim=2, floating=True)
+    check_tensor("masked", masked, dtype=torch.bool)
+    if masked.shape != conf.shape:
+        raise ValueError(f"masked must have the shape of conf {tuple(conf.shape)}, got "
+                         f"{tuple(masked.shape)}")
+    on = conf[masked]
+    if bool(on.isnan().any()) or bool((on < 0).any()) or bool((on > 1).any()):
+        raise ValueError("conf must lie in [0, 1] on the masked positions (a confidence "
+                         "max_v p(v)), got NaN or a value outside")
+
+
 def overlap_coupling_dense(probs: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
     """``1 - JSD(p_i, p_j) / ln 2`` for every pair, the direct way: builds ``(B, L, L, V)``.
 
     The reference for :func:`overlap_coupling`; usable only where ``B L^2 V`` floats fit.
+    ``probs`` (B, L, V) holds distributions; ``masked`` (B, L) bool is checked but not used
+    (every coupling takes it: see :func:`coupling_matrix`).
     """
+    _check_probs(probs, masked)
     p = probs.clamp_min(1e-12)
     m = 0.5 * (p[:, :, None, :] + p[:, None, :, :])
     kl = lambda a: (a * (a.log() - m.log())).sum(-1)  # noqa: E731
@@ -118,7 +155,11 @@ def overlap_coupling(probs: torch.Tensor, masked: torch.Tensor, *,
     p_i} (s_t ln s_t - q_t ln q_t) + sum_v q_v ln q_v``. Where every support has at most
     ``top_k`` tokens this equals the dense form (to round-off, tested); otherwise it is
     the overlap of the renormalised top-``k`` distributions (identical ones still give 1).
+    ``probs`` (B, L, V) holds distributions (rows summing to 1 within 1e-2, renormalised
+    here); ``masked`` (B, L) bool is checked but not used (see :func:`coupling_matrix`).
     """
+    _check_probs(probs, masked)
+    top_k = check_int("top_k", top_k, lo=1)
     B, L, V = probs.shape
     k = min(top_k, V)
     if k == V:                          # nothing to cut: the pairwise sum over all V
@@ -150,8 +191,14 @@ def coupling_matrix(probs: torch.Tensor, masked: torch.Tensor, *, lam: float,
     """``J_ij = lam * coupling(p)_ij * exp(-|i - j| / length_scale)`` (no kernel if None).
 
     Positions the model is sure of (``c_i >= 1 - 1e-3``) are decoupled: their sample
-    is (almost) fixed, so committing them cannot clash with anything.
+    is (almost) fixed, so committing them cannot clash with anything. ``lam >= 0``,
+    ``length_scale > 0`` or None; ``coupling(probs, masked)`` returns (B, L, L) values >= 0.
     """
+    _check_probs(probs, masked)
+    lam = check_float("lam", lam, lo=0)
+    check_callable("coupling", coupling)
+    if length_scale is not None:
+        length_scale = check_float("length_scale", length_scale, lo=0, lo_open=True)
     C = coupling(probs, masked)
     shape = (*masked.shape, masked.shape[-1])
     if not isinstance(C, torch.Tensor) or tuple(C.shape) != shape:
@@ -180,8 +227,11 @@ def auto_tau(conf: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
 
     Every masked position then wants to commit alone (``h_i >= 1``), and only the
     couplings hold positions back: the decoder reads the confidence scale off the
-    model's distributions instead of assuming one.
+    model's distributions instead of assuming one. ``conf`` (B, L) in [0, 1] on the
+    masked positions, ``masked`` (B, L) bool; a row with nothing masked gets ``tau =
+    sigmoid(-1)``.
     """
+    _check_conf(conf, masked)
     c = conf.clamp(_EPS, 1 - _EPS).masked_fill(~masked, math.inf).min(-1).values
     c = torch.where(torch.isfinite(c), c, torch.full_like(c, 0.5))  # rows with nothing masked
     return torch.sigmoid(torch.logit(c) - 1.0)
@@ -341,7 +391,26 @@ def mean_field_commit(conf: torch.Tensor, J: torch.Tensor, masked: torch.Tensor,
     update order once: compiled with JAX on the CPU (:func:`_sweeps_jax`), in torch
     elsewhere (:func:`_sweeps_torch`). Equal to :func:`_mean_field_commit_loop` to round-off
     (tested, both).
+
+    ``conf`` (B, L) in [0, 1] on the masked positions; ``J`` (B, L, L) finite, >= 0, of
+    ``conf``'s dtype; ``masked`` (B, L) bool; ``tau`` in (0, 1), a float or one per row
+    (B,); ``beta > 0``, ``eta`` in (0, 1], ``tol > 0``, ``max_iter >= 1``.
     """
+    _check_conf(conf, masked)
+    B, L = conf.shape
+    check_tensor("J", J, shape=(B, L, L), dtype=conf.dtype)
+    if not bool(torch.isfinite(J).all()) or bool((J < 0).any()):
+        raise ValueError("J must hold finite, non-negative couplings")
+    if isinstance(tau, torch.Tensor):
+        check_tensor("tau", tau, shape=(B,), floating=True)
+        if not bool(((tau > 0) & (tau < 1)).all()):
+            raise ValueError("tau must lie in (0, 1) in every row, got NaN or a value outside")
+    else:
+        tau = check_float("tau", tau, lo=0, hi=1, lo_open=True, hi_open=True)
+    beta = check_float("beta", beta, lo=0, lo_open=True)
+    eta = check_float("eta", eta, lo=0, hi=1, lo_open=True)
+    tol = check_float("tol", tol, lo=0, lo_open=True)
+    max_iter = check_int("max_iter", max_iter, lo=1)
     order, h, Jp, n = _update_order(conf, J, masked, tau)
     q = torch.sigmoid(beta * h)  # the J = 0 solution as the start
     sweeps_of = _sweeps_jax if q.device.type == "cpu" else _sweeps_torch

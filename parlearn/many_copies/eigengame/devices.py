@@ -9,6 +9,7 @@ CPU devices, since JAX fixes its device count when it starts.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -23,7 +24,10 @@ from parlearn.core.checks import check_choice, check_float, check_int
 from parlearn.many_copies.eigengame.game import _x64
 from parlearn.many_copies.eigengame.training import (
     _batches,
+    _check_devices,
     _check_fit,
+    _fits_mesh,
+    _mesh,
     _sharded_fit,
     fit,
     fit_sharded,
@@ -40,8 +44,26 @@ def compare_sharded(x: Any, k: int, mesh_shapes: Sequence[tuple[int, int]], **fi
     """:func:`fit` and :func:`fit_sharded` on each of ``mesh_shapes`` with the same arguments.
 
     Returns ``{"serial": final (d, k) vectors, "sharded": {"DxP": final vectors},
-    "max_abs_diff": {"DxP": max |sharded - serial| over all snapshots}}``.
+    "max_abs_diff": {"DxP": max |sharded - serial| over all snapshots}}``. ``fit_kwargs``:
+    :func:`fit`'s keyword arguments; every argument and mesh is checked before either runs.
     """
+    if isinstance(mesh_shapes, str) or not isinstance(mesh_shapes, list | tuple):
+        raise TypeError(f"mesh_shapes must be a list of (data, players) pairs, got "
+                        f"{mesh_shapes!r}")
+    if not mesh_shapes:
+        raise ValueError("mesh_shapes must hold at least one (data, players) pair")
+    meshes = [_mesh("mesh_shapes[i]", shape) for shape in mesh_shapes]
+    params = inspect.signature(fit).parameters
+    unknown = sorted(set(fit_kwargs) - {n for n, p in params.items() if p.kind == p.KEYWORD_ONLY})
+    if unknown:
+        raise TypeError(f"compare_sharded got arguments fit does not take: {unknown}")
+    args = {n: fit_kwargs.get(n, p.default) for n, p in params.items()
+            if p.kind == p.KEYWORD_ONLY}
+    _, k_, batch, *_ = _check_fit(x, k, args["method"], args["batch"], args["lr"],
+                                  args["steps"], args["record_every"], args["seed"], args["v0"])
+    for mesh in meshes:
+        _fits_mesh("mesh_shapes[i]", mesh, batch, k_)
+        _check_devices(*mesh)
     ref = fit(x, k, **fit_kwargs)
     out: dict = {"serial": ref["v"], "sharded": {}, "max_abs_diff": {}}
     for shape in mesh_shapes:
@@ -131,8 +153,12 @@ def run_with_devices(n_devices: int, function: str, *args: Any, timeout: float =
     env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(n_devices), JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     env.pop("XLA_FLAGS", None)
-    payload = json.dumps(_jsonable({"function": function, "args": list(args),
-                                    "kwargs": kwargs}))
+    try:
+        payload = json.dumps(_jsonable({"function": function, "args": list(args),
+                                        "kwargs": kwargs}))
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"args and kwargs of run_with_devices go to a child process as JSON "
+                        f"(numbers, strings, lists, dicts, NumPy arrays): {err}") from None
     proc = subprocess.run([sys.executable, "-c", _CHILD], input=payload, env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -13,7 +13,14 @@ from parlearn.core.checks import check_choice, check_float, check_int
 from parlearn.many_copies.eigengame.devices import run_with_devices
 from parlearn.many_copies.eigengame.game import METHODS, _x64
 from parlearn.many_copies.eigengame.inputs import _data, init_vectors, synthetic_data
-from parlearn.many_copies.eigengame.training import _batches, _serial_fit, _sharded_fit
+from parlearn.many_copies.eigengame.training import (
+    _batches,
+    _check_devices,
+    _fits_mesh,
+    _mesh,
+    _serial_fit,
+    _sharded_fit,
+)
 
 __all__ = ["throughput", "sharded_throughput", "bench"]
 
@@ -43,21 +50,25 @@ def throughput(x: Any, k: int, *, batch_sizes: Sequence[int] = (1, 8, 64, 512),
     ``"batch1_samples_per_s"``. The ``speedup`` of "batched" is its samples/s over batch 1's.
     ``"threads"`` is ``"XLA's"``: XLA's own CPU thread pool does the work.
     """
-    import jax.numpy as jnp
-
-    from parlearn.core.timing import sweep
-
     x = _data("x", x)
     k = check_int("k", k, lo=1, hi=x.shape[1])
+    if isinstance(batch_sizes, str) or not isinstance(batch_sizes, Iterable):
+        raise TypeError(f"batch_sizes must be a list of ints, got {batch_sizes!r}")
     sizes = [check_int("batch_sizes", b, lo=1, hi=x.shape[0]) for b in batch_sizes]
     samples = check_int("samples", samples, lo=1, hi=x.shape[0])
-    if not sizes or any(samples % b for b in sizes):
+    if not sizes:
+        raise ValueError("batch_sizes must hold at least one batch size")
+    if any(samples % b for b in sizes):
         raise ValueError(f"samples={samples} must be a multiple of every batch size {sizes}")
     check_choice("method", method, METHODS)
     lr = check_float("lr", lr, lo=0, lo_open=True)
     repeat = check_int("repeat", repeat, lo=1)
     check_choice("dtype", dtype, _DTYPES)
     seed = check_int("seed", seed, lo=0)
+    import jax.numpy as jnp
+
+    from parlearn.core.timing import sweep
+
     xs = jnp.asarray(x[np.random.default_rng(seed).permutation(x.shape[0])[:samples]], dtype)
     v0 = jnp.asarray(init_vectors(x.shape[1], k, seed=seed), dtype)
 
@@ -91,10 +102,6 @@ def sharded_throughput(x: Any, k: int, *, mesh_shapes: Sequence[tuple[int, int]]
     with names ``"1 device"`` and ``"DxP mesh"``. Fake CPU devices share this machine's
     cores, so on a CPU this measures the cost of sharding, not a speedup from it.
     """
-    import jax.numpy as jnp
-
-    from parlearn.core.timing import compare
-
     x = _data("x", x)
     k = check_int("k", k, lo=1, hi=x.shape[1])
     batch = check_int("batch", batch, lo=1, hi=x.shape[0])
@@ -103,13 +110,22 @@ def sharded_throughput(x: Any, k: int, *, mesh_shapes: Sequence[tuple[int, int]]
     lr = check_float("lr", lr, lo=0, lo_open=True)
     repeat = check_int("repeat", repeat, lo=1)
     check_choice("dtype", dtype, _DTYPES)
-    batches = jnp.asarray(_batches(x, batch, check_int("seed", seed, lo=0)), dtype)
+    seed = check_int("seed", seed, lo=0)
+    if isinstance(mesh_shapes, str) or not isinstance(mesh_shapes, list | tuple):
+        raise TypeError(f"mesh_shapes must be a list of (data, players) pairs, got "
+                        f"{mesh_shapes!r}")
+    meshes = [_mesh("mesh_shapes[i]", shape) for shape in mesh_shapes]
+    for mesh in meshes:
+        _fits_mesh("mesh_shapes[i]", mesh, batch, k)
+        _check_devices(*mesh)
+    import jax.numpy as jnp
+
+    from parlearn.core.timing import compare
+
+    batches = jnp.asarray(_batches(x, batch, seed), dtype)
     v0 = jnp.asarray(init_vectors(x.shape[1], k, seed=seed), dtype)
     cands = {"1 device": _timed_fit(_serial_fit(method, steps, 1), v0, batches, lr)}
-    for data, players in mesh_shapes:
-        if batch % data or k % players:
-            raise ValueError(f"mesh {data}x{players}: batch={batch} must be a multiple of "
-                             f"{data} and k={k} of {players}")
+    for data, players in meshes:
         cands[f"{data}x{players} mesh"] = _timed_fit(
             _sharded_fit(data, players, method, steps, 1), v0, batches, lr)
     cmp = compare(cands, warmup=1, repeat=repeat)

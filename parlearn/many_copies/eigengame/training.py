@@ -61,6 +61,35 @@ def _check_fit(x, k, method, batch, lr, steps, record_every, seed, v0):
     return x, k, batch, lr, steps, record_every, seed, v0
 
 
+def _mesh(name: str, shape: Any) -> tuple[int, int]:
+    """``shape`` as a ``(data, players)`` pair of ints >= 1, or an error naming ``name``."""
+    if isinstance(shape, str) or not isinstance(shape, tuple | list) or len(shape) != 2:
+        raise ValueError(f"{name} must be (data, players), got {shape!r}")
+    return (check_int(f"{name}[0] (data)", shape[0], lo=1),
+            check_int(f"{name}[1] (players)", shape[1], lo=1))
+
+
+def _fits_mesh(name: str, mesh: tuple[int, int], batch: int, k: int) -> None:
+    """The rows of a batch split over ``data``, the k players over ``players``."""
+    data, players = mesh
+    if batch % data:
+        raise ValueError(f"batch={batch} must be a multiple of the data axis of {name}="
+                         f"{tuple(mesh)} ({data})")
+    if k % players:
+        raise ValueError(f"k={k} must be a multiple of the players axis of {name}="
+                         f"{tuple(mesh)} ({players})")
+
+
+def _check_devices(data: int, players: int) -> None:
+    """A ``data x players`` mesh needs that many JAX devices (fixed when JAX starts)."""
+    import jax
+
+    if jax.device_count() < data * players:
+        raise RuntimeError(f"JAX has {jax.device_count()} device(s); a {data}x{players} mesh "
+                           f"needs {data * players}: call parlearn.device.fake_jax_cpu_devices("
+                           f"{data * players}) before JAX starts, or use run_with_devices")
+
+
 @functools.cache
 def _serial_fit(method: str, per_record: int, records: int):
     import jax
@@ -111,10 +140,7 @@ def _sharded_fit(data: int, players: int, method: str, per_record: int, records:
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    if jax.device_count() < data * players:
-        raise RuntimeError(f"JAX has {jax.device_count()} device(s); a {data}x{players} mesh "
-                           f"needs {data * players}: call parlearn.device.fake_jax_cpu_devices("
-                           f"{data * players}) before JAX starts, or use run_with_devices")
+    _check_devices(data, players)
     mesh = jax.make_mesh((data, players), ("data", "players"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 2,
                          devices=jax.devices()[:data * players])
@@ -161,16 +187,10 @@ def fit_sharded(x: Any, k: int, *, mesh_shape: tuple[int, int] = (8, 1), method:
     before JAX starts, or call through :func:`run_with_devices`). Same arguments and result
     as :func:`fit`, and equal to it to round-off.
     """
-    if (not isinstance(mesh_shape, (tuple, list)) or len(mesh_shape) != 2):
-        raise ValueError(f"mesh_shape must be (data, players), got {mesh_shape!r}")
-    data = check_int("mesh_shape[0] (data)", mesh_shape[0], lo=1)
-    players = check_int("mesh_shape[1] (players)", mesh_shape[1], lo=1)
+    data, players = _mesh("mesh_shape", mesh_shape)
     x, k, batch, lr, steps, every, seed, v0 = _check_fit(x, k, method, batch, lr, steps,
                                                           record_every, seed, v0)
-    if batch % data:
-        raise ValueError(f"batch={batch} must be a multiple of the data axis ({data})")
-    if k % players:
-        raise ValueError(f"k={k} must be a multiple of the players axis ({players})")
+    _fits_mesh("mesh_shape", (data, players), batch, k)
     batches = _batches(x, batch, seed)
     run = _sharded_fit(data, players, method, every, steps // every)
     snaps = np.asarray(run(v0, batches, lr))

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from parlearn.core.checks import check_float, check_int
+from parlearn.many_copies.qd.arrays import _array, _check_key, _values
 
 __all__ = ["Task", "arm_task", "rastrigin_task", "Archive", "empty_archive", "cell_index",
            "score_batch", "score_loop", "insert", "insert_loop", "isoline_variation",
@@ -100,9 +101,7 @@ def empty_archive(task: Task, cells_per_dim: int = 32) -> Archive:
     """An archive with every cell empty."""
     import jax.numpy as jnp
 
-    if not isinstance(task, Task):
-        raise TypeError(f"task must be a qd Task (arm_task, rastrigin_task), got "
-                        f"{type(task).__name__}")
+    _check_task(task)
     cells_per_dim = check_int("cells_per_dim", cells_per_dim, lo=1)
     cells = cells_per_dim ** task.n_desc
     return Archive(jnp.full((cells,), -jnp.inf, jnp.float32),
@@ -111,7 +110,34 @@ def empty_archive(task: Task, cells_per_dim: int = 32) -> Archive:
 
 
 def cell_index(descriptors, cells_per_dim: int):
-    """Flat cell index of each descriptor row (first coordinate varies fastest, as in QDax)."""
+    """Flat cell index of each descriptor row (first coordinate varies fastest, as in QDax).
+
+    ``descriptors`` (..., n_desc) must lie in [0, 1]: each axis is cut into
+    ``cells_per_dim`` equal cells, ``[i/c, (i+1)/c)``, the last one closed (a descriptor
+    of exactly 1 is in cell ``c - 1``). Every :class:`Task` of this module provably keeps
+    its descriptors there (the arm's hand is at most ``dofs`` links of ``1/(2 dofs)`` from
+    the centre; Rastrigin's are means of genotypes clipped to [0, 1]), so a descriptor
+    outside [0, 1], or NaN, is an error, refused here. (QDax instead clips, by looking up
+    the nearest centroid; we refuse so that a task with the wrong scale is noticed.) Under
+    ``jax.jit`` the values are tracers and cannot be checked: there the index is clamped
+    into the grid, which only changes descriptors outside [0, 1] (the closed upper edge
+    aside), i.e. only a call that would have been refused eagerly.
+    """
+    cells_per_dim = check_int("cells_per_dim", cells_per_dim, lo=1)
+    _array("descriptors", descriptors, (None,) * max(1, len(getattr(descriptors, "shape", ()))))
+    n_desc = descriptors.shape[-1]
+    if n_desc < 1:
+        raise ValueError(f"descriptors must have n_desc >= 1 columns, got shape "
+                         f"{tuple(descriptors.shape)}")
+    if cells_per_dim ** n_desc > 2**31 - 1:
+        raise ValueError(f"cells_per_dim={cells_per_dim} gives {cells_per_dim}**{n_desc} "
+                         "cells, more than an int32 index holds (2**31 - 1)")
+    _values("descriptors", descriptors, unit=True)
+    return _cell_index(descriptors, cells_per_dim)
+
+
+def _cell_index(descriptors, cells_per_dim: int):
+    """:func:`cell_index` without the checks (also traced, inside the jitted programs)."""
     import jax.numpy as jnp
 
     idx = jnp.clip(jnp.floor(descriptors * cells_per_dim), 0, cells_per_dim - 1).astype(jnp.int32)
@@ -119,13 +145,31 @@ def cell_index(descriptors, cells_per_dim: int):
     return jnp.sum(idx * strides, axis=-1)
 
 
+def _check_task(task: Any) -> Task:
+    if not isinstance(task, Task):
+        raise TypeError(f"task must be a qd Task (arm_task, rastrigin_task), got "
+                        f"{type(task).__name__}")
+    return task
+
+
+def _genotypes(task: Task, genotypes: Any, name: str = "genotypes") -> Any:
+    """A (batch, task.dim) array in [0, 1] (the genotype space of every Task)."""
+    _array(name, genotypes, (None, task.dim))
+    _values(name, genotypes, unit=True)
+    return genotypes
+
+
 # --- scoring: serial reference and vmap ---------------------------------------------------
 
 def score_loop(task: Task, genotypes) -> tuple[Any, Any]:
     """Serial reference: score one genotype at a time in a Python loop of calls to
-    ``jax.jit(task.score)`` (compiled once per task; eager ops cost ~10 ms a genotype)."""
+    ``jax.jit(task.score)`` (compiled once per task; eager ops cost ~10 ms a genotype).
+
+    ``genotypes`` (batch, task.dim) must lie in [0, 1], the genotype space of every Task
+    (NaN or values outside are refused, not clipped)."""
     import jax.numpy as jnp
 
+    _genotypes(_check_task(task), genotypes)
     single = _jit_score(task)
     # Rows as NumPy and results stacked by NumPy: iterating over or stacking JAX arrays
     # eagerly compiles a small program per shape (seconds in all), for no gain here.
@@ -143,7 +187,11 @@ def _jit_score(task: Task) -> Callable:
 
 def score_batch(task: Task, genotypes) -> tuple[Any, Any]:
     """Score the whole batch in one call: ``jax.jit(jax.vmap(task.score))`` (compiled once
-    per task and batch shape; inside another jitted function it is inlined)."""
+    per task and batch shape; inside another jitted function it is inlined).
+
+    ``genotypes`` (batch, task.dim) must lie in [0, 1] (NaN or values outside are refused,
+    not clipped; under ``jax.jit`` only the shape can be checked)."""
+    _genotypes(_check_task(task), genotypes)
     return _jit_batch(task)(genotypes)
 
 
@@ -156,9 +204,36 @@ def _jit_batch(task: Task) -> Callable:
 
 # --- insertion: serial reference and one scatter ------------------------------------------
 
+def _check_insert(archive: Any, genotypes: Any, fitness: Any, descriptors: Any) -> None:
+    """A batch of ``b`` children for ``archive``: genotypes (b, dim), fitness (b,) without
+    NaN or +inf (-inf: a child that never enters), descriptors (b, n_desc) in [0, 1]."""
+    if not isinstance(archive, Archive):
+        raise TypeError(f"archive must be a qd Archive (empty_archive, insert), got "
+                        f"{type(archive).__name__}")
+    cells = _array("archive.fitness", archive.fitness, (None,)).shape[0]
+    dim = _array("archive.genotypes", archive.genotypes, (cells, None)).shape[1]
+    n_desc = _array("archive.descriptors", archive.descriptors, (cells, None)).shape[1]
+    if n_desc < 1 or archive.cells_per_dim ** n_desc != cells:
+        raise ValueError(f"archive must hold cells_per_dim**n_desc cells (n_desc >= 1), got "
+                         f"{cells} cells of {n_desc}-dimensional descriptors")
+    _array("genotypes", genotypes, (None, dim))
+    _array("fitness", fitness, (None,))
+    _array("descriptors", descriptors, (None, n_desc))
+    if not genotypes.shape[0] == fitness.shape[0] == descriptors.shape[0]:
+        raise ValueError(f"genotypes, fitness and descriptors must hold one row per child, got "
+                         f"{genotypes.shape[0]}, {fitness.shape[0]} and {descriptors.shape[0]}")
+    _values("fitness", fitness, neg_inf=True)
+    _values("genotypes", genotypes)
+    _values("descriptors", descriptors, unit=True)
+
+
 def insert_loop(archive: Archive, genotypes, fitness, descriptors) -> Archive:
-    """Serial reference: children one at a time, in order; each replaces a strictly worse elite."""
+    """Serial reference: children one at a time, in order; each replaces a strictly worse elite.
+
+    Same arguments as :func:`insert`."""
     import jax.numpy as jnp
+
+    _check_insert(archive, genotypes, fitness, descriptors)
 
     fit = np.array(archive.fitness)
     gen = np.array(archive.genotypes)
@@ -173,14 +248,14 @@ def insert_loop(archive: Archive, genotypes, fitness, descriptors) -> Archive:
 
 def _jit_cell_index(descriptors, cells_per_dim: int):
     """:func:`cell_index` as one compiled program (eagerly it compiles one per operation)."""
-    return _jitted()["cell_index"](descriptors, cells_per_dim)
+    return _jitted()["cell_index"](descriptors, cells_per_dim)  # checked by the caller
 
 
 @functools.cache
 def _jitted() -> dict[str, Callable]:
     import jax
 
-    return {"cell_index": jax.jit(cell_index, static_argnums=1), "insert": jax.jit(_insert)}
+    return {"cell_index": jax.jit(_cell_index, static_argnums=1), "insert": jax.jit(_insert)}
 
 
 def insert(archive: Archive, genotypes, fitness, descriptors) -> Archive:
@@ -189,7 +264,13 @@ def insert(archive: Archive, genotypes, fitness, descriptors) -> Archive:
     Per cell, the batch's best child (the first one on ties, as in the loop) replaces the
     elite if strictly better. A cell's fitness can therefore never go down. One jitted
     program per shape (inlined when called inside another jitted function).
+
+    ``genotypes`` (b, dim), ``fitness`` (b,) and ``descriptors`` (b, n_desc) match the
+    archive's shapes; fitness holds no NaN or +inf (a child of fitness -inf never enters:
+    an empty cell has -inf), descriptors lie in [0, 1] (see :func:`cell_index`). Under
+    ``jax.jit`` only the shapes can be checked.
     """
+    _check_insert(archive, genotypes, fitness, descriptors)
     return _jitted()["insert"](archive, genotypes, fitness, descriptors)
 
 
@@ -198,7 +279,7 @@ def _insert(archive: Archive, genotypes, fitness, descriptors) -> Archive:
     import jax.numpy as jnp
 
     n_cells, batch = archive.fitness.shape[0], fitness.shape[0]
-    cells = cell_index(descriptors, archive.cells_per_dim)
+    cells = _cell_index(descriptors, archive.cells_per_dim)
     best = jax.ops.segment_max(fitness, cells, num_segments=n_cells)
     winner_mask = (fitness == best[cells]) & (fitness > archive.fitness[cells])
     # Lowest batch index among the children that tie for their cell's best.
@@ -215,7 +296,25 @@ def _insert(archive: Archive, genotypes, fitness, descriptors) -> Archive:
 # --- selection and variation --------------------------------------------------------------
 
 def isoline_variation(key, x1, x2, iso_sigma: float, line_sigma: float):
-    """Iso+line: ``x1 + iso_sigma N(0, I) + line_sigma N(0, 1) (x2 - x1)``, clipped to [0, 1]."""
+    """Iso+line: ``x1 + iso_sigma N(0, I) + line_sigma N(0, 1) (x2 - x1)``, clipped to [0, 1].
+
+    The clip is the operator's definition (QDax's ``isoline_variation`` with ``minval=0,
+    maxval=1``): children stay in the genotype space. ``key``: one JAX PRNG key (a typed
+    key, or a raw ``uint32`` pair); ``x1``, ``x2``: parents (batch, dim) in [0, 1], of the
+    same shape; ``iso_sigma``, ``line_sigma`` >= 0.
+    """
+    _check_key("key", key)
+    _array("x1", x1, (None, None))
+    _array("x2", x2, tuple(x1.shape))
+    _values("x1", x1, unit=True)
+    _values("x2", x2, unit=True)
+    iso_sigma = check_float("iso_sigma", iso_sigma, lo=0)
+    line_sigma = check_float("line_sigma", line_sigma, lo=0)
+    return _isoline_variation(key, x1, x2, iso_sigma, line_sigma)
+
+
+def _isoline_variation(key, x1, x2, iso_sigma: float, line_sigma: float):
+    """:func:`isoline_variation` without the checks (traced inside the MAP-Elites step)."""
     import jax
     import jax.numpy as jnp
 
@@ -305,6 +404,7 @@ def map_elites(task: Task, *, batch_size: int, budget: int, cells_per_dim: int =
                                      float(line_sigma))
     archive, m = _first_batch_program(task, cells_per_dim, _first_batch_pad(batch_size))(
         key_init, batch_size)
+    _check_first_batch(task, archive)
     # Compile before the clock starts (one program for every chunk: the loop bounds are
     # traced; a call with no steps compiles it, or finds it in jit's cache): compile time
     # is reported apart, never mixed into the throughput.
@@ -324,6 +424,21 @@ def map_elites(task: Task, *, batch_size: int, budget: int, cells_per_dim: int =
                            np.array(wall), compile_s, batch_size, str(jax.devices()[0]))
 
 
+def _check_first_batch(task: Task, archive: Archive) -> None:
+    """A Task of one's own must keep its word (the jitted steps cannot check values): after
+    the first batch, some cell is filled, no fitness is +inf and every stored descriptor
+    lies in [0, 1]. (arm_task and rastrigin_task always pass.)"""
+    fit, desc = np.asarray(archive.fitness), np.asarray(archive.descriptors)
+    filled = fit > -np.inf
+    if not filled.any() or np.isposinf(fit).any():
+        raise ValueError(f"task {task.name!r} must return finite fitness values: the first "
+                         f"batch filled {int(np.isfinite(fit).sum())} cells (NaN never enters)")
+    d = desc[filled]
+    if np.isnan(d).any() or d.min() < 0 or d.max() > 1:
+        raise ValueError(f"task {task.name!r} must return descriptors in [0, 1], got values "
+                         f"from {np.nanmin(d)} to {np.nanmax(d)} in the first batch")
+
+
 @functools.lru_cache(maxsize=16)
 def _map_elites_programs(task, batch_size, cells_per_dim, iso_sigma, line_sigma):
     """The jitted MAP-Elites steps of a run, kept so that a rerun (another seed) skips compiling."""
@@ -334,9 +449,9 @@ def _map_elites_programs(task, batch_size, cells_per_dim, iso_sigma, line_sigma)
         k_p1, k_p2, k_var = jax.random.split(jax.random.fold_in(key, i), 3)
         x1 = _sample_parents(k_p1, archive, batch_size)
         x2 = _sample_parents(k_p2, archive, batch_size)
-        children = isoline_variation(k_var, x1, x2, iso_sigma, line_sigma)
-        fitness, desc = score_batch(task, children)
-        return insert(archive, children, fitness, desc), key
+        children = _isoline_variation(k_var, x1, x2, iso_sigma, line_sigma)
+        fitness, desc = _jit_batch(task)(children)
+        return _insert(archive, children, fitness, desc), key
 
     def run_steps(archive, key, start, stop):
         archive, _ = jax.lax.fori_loop(start, stop, step, (archive, key))
@@ -365,9 +480,9 @@ def _first_batch_program(task, cells_per_dim, pad):
 
     def first_batch(key, n):
         x = jax.random.uniform(key, (pad, task.dim))
-        fitness, desc = score_batch(task, x)
+        fitness, desc = _jit_batch(task)(x)
         fitness = jnp.where(jnp.arange(pad) < n, fitness, -jnp.inf)
-        archive = insert(empty_archive(task, cells_per_dim), x, fitness, desc)
+        archive = _insert(empty_archive(task, cells_per_dim), x, fitness, desc)
         return archive, qd_metrics(archive, task.fitness_floor)
 
     return jax.jit(first_batch)

@@ -6,11 +6,12 @@ JAX is imported inside the functions, so importing this module does not start it
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import numpy as np
 
 from parlearn.core.checks import check_choice, check_int
-from parlearn.many_copies.qd.search import Task, arm_task, map_elites, score_batch
+from parlearn.many_copies.qd.search import Task, _check_task, arm_task, map_elites, score_batch
 
 __all__ = ["evals_per_second", "bench"]
 
@@ -26,15 +27,19 @@ def evals_per_second(task: Task, batch_sizes, *, repeat: int = 5, seed: int = 0,
     Compile time is excluded and reported (``compile_s``). Returns ``{"batch_sizes",
     "evals_per_s", "spread", "compile_s", "device", "mode"}``.
     """
+    _check_task(task)
+    mode = check_choice("mode", mode, ("vmap", "loop"))
+    check_int("repeat", repeat, lo=1)
+    check_int("seed", seed, lo=0)
+    if isinstance(batch_sizes, str) or not isinstance(batch_sizes, Iterable):
+        raise TypeError(f"batch_sizes must be a list of ints, got {batch_sizes!r}")
+    sizes = [check_int("batch_sizes[i]", b, lo=1) for b in batch_sizes]
+    if not sizes:
+        raise ValueError("batch_sizes must hold at least one batch size")
     import jax
 
     from parlearn.core.timing import measure
 
-    mode = check_choice("mode", mode, ("vmap", "loop"))
-    check_int("repeat", repeat, lo=1)
-    sizes = [check_int("batch_sizes[i]", b, lo=1) for b in batch_sizes]
-    if not sizes:
-        raise ValueError("batch_sizes must hold at least one batch size")
     batched = jax.jit(lambda x: score_batch(task, x))
     single = jax.jit(task.score)
     out: dict = {"batch_sizes": sizes, "evals_per_s": [], "spread": [], "compile_s": [],
