@@ -155,6 +155,7 @@ CASES: list[Case] = [
          legal={"progress": [None]},
          bad={"task": ["task", 3], "batches": [[], "28", 3, [1], [2.5], [True]],
               "lrs": [[], "0.5", 0.5, [0.0], [math.nan]], "steps": [0, -1],
+              "target_loss": [None],
               "progress": ["p", 3]},
          check=_sweep_rows),
     # Bench rows: they train and run rank processes (run_good=False); device checked, unused.
@@ -225,9 +226,10 @@ CASES: list[Case] = [
          lambda: dict(rank=0, world_size=2, numel=64, repeat=1), run_good=False,
          ranges={"numel": (1, None), "repeat": (1, None)}, bad=RANK_OF_2),
     Case(P + "data_parallel.workers.worker_slow_link",
+         # coding None: measured and broadcast, so every other check must come before that
          lambda: dict(rank=0, world_size=2, widths=[8, 64, 4], batch=8, steps=3,
-                      real=(1e-4, 1e-9), alpha=0.0, factor=4.0, coding=(5e-8, 1e-8)),
-         run_good=False, legal={"coding": [None]},
+                      real=(1e-4, 1e-9), alpha=0.0, factor=4.0, coding=None),
+         run_good=False,
          ranges={"batch": (1, None), "steps": (1, None), "alpha": (0.0, None)},
          bad={**RANK_OF_2, "widths": ["8", [8], 3], "real": ["ab", (1e-4,), (-1.0, 1e-9)],
               "factor": [1.0, 0.5], "coding": [(1e-8,), (math.nan, 0.0), "qd"]}),

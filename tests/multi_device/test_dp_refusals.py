@@ -73,7 +73,7 @@ def _labels(*shape):
 
 # (worker, args after rank and world_size, the argument named): each refused on both ranks.
 WORKERS = [
-    (H.half_groups, (), "world_size"),      # run with 2 ranks, asked for 4
+    (H.half_groups, (), "world_size=4 differs"),      # run with 2 ranks, asked for 4
     (H.worker_half_gradients, (torch.nn.Linear(3, 2), torch.zeros(7, 3), _labels(7)), "x"),
     (H.worker_half_gradients, (torch.nn.Linear(3, 2), torch.zeros(8, 3), _labels(8), 3),
      "accum"),
@@ -98,3 +98,23 @@ def test_workers_refuse_bad_arguments_on_every_rank(worker, args, name):
     if worker is H.half_groups:
         worker = _half_groups_of_four
     assert_refused_on_every_rank(worker, args, name=name)
+
+
+class _NoDraws:
+    """A task that fails the test if anything is trained on it."""
+
+    loss_fn = eval_loss = staticmethod(lambda *a: 0.0)
+
+    def draw(self, step, n):
+        raise AssertionError("batch_sweep trained before refusing its arguments")
+
+
+@pytest.mark.parametrize("kw,name", [({"target_loss": None}, "target_loss"),
+                                     ({"target_loss": float("nan")}, "target_loss"),
+                                     ({"steps": 0}, "steps"), ({"progress": 3}, "progress")])
+def test_batch_sweep_refuses_before_training(kw, name):
+    from parlearn.multi_device.batching import batch_sweep
+
+    args = {"target_loss": 0.1, **kw}
+    with pytest.raises((TypeError, ValueError), match=name):
+        batch_sweep(torch.nn.Linear(2, 1), _NoDraws(), [2, 4], [0.1], **args)

@@ -55,8 +55,8 @@ def batch_sweep(model: nn.Module, task, batches: Sequence[int], lrs: Sequence[fl
     lrs = [check_float("lrs[i]", lr, lo=0, lo_open=True) for lr in lrs]
     if not batches or not lrs:
         raise ValueError("batches and lrs must not be empty")
+    # train takes None (no target) and checks steps itself, before any step
     target_loss = check_float("target_loss", target_loss)
-    steps = check_int("steps", steps, lo=1)
     if progress is not None:
         check_callable("progress", progress)
     rows = []

@@ -239,8 +239,7 @@ def rank_coding_seconds(numel: int, repeat: int = 5, seed: int = 0) -> tuple[flo
     from parlearn.multi_device.data_parallel.compression import path_coding_seconds
 
     return path_coding_seconds(check_int("numel", numel, lo=1), 2,
-                               repeat=check_int("repeat", repeat, lo=1),
-                               seed=check_int("seed", seed, lo=0), threads=1)
+                               repeat=check_int("repeat", repeat, lo=1), seed=seed, threads=1)
 
 
 def worker_rank_coding(rank: int, world_size: int, numel: int, repeat: int = 5
