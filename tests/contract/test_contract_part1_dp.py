@@ -1,5 +1,5 @@
 """The argument contract of data_parallel's workers, compression hook and slow link, and of
-batching's halves, noise-scale estimates, tasks and sweep (split off part1_training)."""
+batching's closed forms, halves, noise-scale estimates, tasks and sweep (from part1_training)."""
 
 from __future__ import annotations
 
@@ -114,6 +114,38 @@ BAD_SPLIT = ["digits", 3]
 RANK_OF_2 = {"rank": [2, -1], "world_size": [0]}
 
 CASES: list[Case] = [
+    # --- batching: closed forms -------------------------------------------------------------
+    Case(P + "batching.noise_scale.expected_cosine", lambda: dict(b_simple=10.0, batch=32.0),
+         ranges={"b_simple": (0.0, None)}, bad={"batch": [0.0, -1.0]}),
+    Case(P + "batching.noise_scale.controller_fixed_point",
+         lambda: dict(b_simple=10.0, target=0.5),
+         ranges={"b_simple": (0.0, None)}, bad={"target": [0.0, 1.0, 1.5]}),
+    Case(P + "batching.noise_scale.adascale_gain", lambda: dict(sigma2=1.0, g2=0.5, scale=4.0),
+         ranges={"sigma2": (0.0, None), "g2": (0.0, None), "scale": (1.0, None)}),
+    Case(P + "batching.noise_scale.adascale_gain_from_b_simple",
+         lambda: dict(b_simple=10.0, base_batch=8.0, batch=32.0),
+         ranges={"b_simple": (0.0, None), "batch": (8.0, None)},
+         bad={"base_batch": [0.0, -1.0]}),
+    Case(P + "batching.noise_scale.steps_samples_model",
+         lambda: dict(batch=[8.0, 32.0], b_noise=16.0, s_min=100.0),
+                  bad={"batch": [[0.0], [-1.0], [True], "8", [math.nan]], "b_noise": [0.0],
+              "s_min": [0.0]}),
+    Case(P + "batching.noise_scale.critical_batch_fit",
+         lambda: dict(batches=[8.0, 16.0, 64.0], steps=[300.0, 200.0, 125.0]),
+         bad={"batches": [[8.0], [8.0, 8.0, 8.0], [0.0, 16.0, 64.0], "abc"],
+              "steps": [[300.0, 200.0], [300.0, -1.0, 125.0], [300.0, math.nan, 125.0]]}),
+    Case(P + "batching.tradeoff.tradeoff_model",
+         lambda: dict(b_noise=[8.0, 16.0], batch=None, factor=2.0, power=1.0),
+         legal={"batch": [None]},
+         bad={"b_noise": [[], [0.0], [True], "8"], "factor": [0.0], "power": [0.0]}),
+    Case(P + "batching.tradeoff.frontier_samples",
+         lambda: dict(rows=[{"steps": 100, "samples": 800}, {"steps": 50, "samples": 1600}],
+                      steps=70.0),
+         bad={"rows": ["rows", [{"steps": 1}], [3]], "steps": [0.0, -1.0]}),
+    Case(P + "batching.halves.probe_bytes", lambda: dict(n_params=100, world_size=4,
+                                                         element_size=4),
+         ranges={"n_params": (1, None), "element_size": (1, None)},
+         bad={"world_size": [0, 1, 3]}),
     # --- batching: the two halves -----------------------------------------------------------
     Case(P + "batching.halves.half_gradients",
          lambda: dict(model=_linear(), loss_fn=_mse, x=_rand(8, 3), y=_rand(8, 2, seed=1),
