@@ -293,15 +293,17 @@ BAD_CALLS = [
     (lambda: bt.LinearRegressionProblem(3, h=[1, -1, 1]), ValueError, "h"),
     (lambda: bt.LinearRegressionProblem(3, h=[1, 1]), ValueError, "h"),
     (lambda: bt.NoiseScale(1.0), ValueError, "decay"),
-    (lambda: bt.half_gradients(torch.nn.Linear(2, 1), None, torch.zeros(6, 2),
-                               torch.zeros(6), world_size=3), ValueError, "world_size"),
+    (lambda: bt.half_gradients(torch.nn.Linear(2, 1), torch.nn.functional.mse_loss,
+                               torch.zeros(6, 2), torch.zeros(6), world_size=3), ValueError,
+     "world_size"),
     (lambda: bt.probe_bytes(10, 3), ValueError, "world_size"),
     (lambda: bt.worker_train(0, 2, torch.nn.Linear(2, 1), None, {"momentum": 0.9}), ValueError,
      "momentum"),
     (lambda: bt.worker_train(0, 2, torch.nn.Linear(2, 1), None, {"world_size": 4}), ValueError,
      "world_size"),
     (lambda: bt.tradeoff_model([1.0], factor=1.0, power=0.0), ValueError, "power"),
-    (lambda: bt.batch_sweep(torch.nn.Linear(2, 1), None, [], [0.1], 1.0), ValueError, "empty"),
+    (lambda: bt.batch_sweep(torch.nn.Linear(2, 1), bt.RegressionTask(
+        bt.LinearRegressionProblem(2)), [], [0.1], 1.0), ValueError, "empty"),
 ]
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from parlearn.core.checks import check_int, check_module
+from parlearn.core.checks import check_callable, check_int, check_module, check_tensor
 
 __all__ = ["half_gradients", "half_groups", "worker_half_gradients", "probe_bytes"]
 
@@ -50,12 +50,10 @@ def half_gradients(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, 
     batch, each half computed as the ranks do (``world_size / 2`` shards of ``accum``
     micro-batches, averaged). Returns flat vectors; ``model``'s ``.grad`` is left as it was."""
     check_module("model", model)
+    check_callable("loss_fn", loss_fn)
     world_size = _check_world(world_size)
     accum = check_int("accum", accum, lo=1)
-    n = x.shape[0]
-    if n % (world_size * accum):
-        raise ValueError(f"batch of {n} does not split into {world_size} ranks x {accum} "
-                         "micro-batches")
+    n = _check_batch(x, y, world_size, accum)
     per = n // world_size
     shards = [_mean_grad(model, loss_fn, x[r * per:(r + 1) * per], y[r * per:(r + 1) * per],
                          accum) for r in range(world_size)]
@@ -70,11 +68,35 @@ def _check_world(world_size: int) -> int:
     return world_size
 
 
+def _check_batch(x: torch.Tensor, y: torch.Tensor, world_size: int, accum: int) -> int:
+    """The batch size of ``x, y``: finite tensors with the same first dimension, which splits
+    into ``world_size`` shards of ``accum`` equal micro-batches (none silently shorter)."""
+    check_tensor("x", x, finite=True)
+    check_tensor("y", y, finite=True)
+    if x.dim() == 0 or y.dim() == 0:
+        raise ValueError(f"x and y need a batch dimension, got shapes {tuple(x.shape)} and "
+                         f"{tuple(y.shape)}")
+    n = x.shape[0]
+    if y.shape[0] != n:
+        raise ValueError(f"x and y must hold the same number of examples, got shapes "
+                         f"{tuple(x.shape)} and {tuple(y.shape)}")
+    if n == 0 or n % (world_size * accum):
+        raise ValueError(f"x's batch of {n} does not split into world_size={world_size} "
+                         f"ranks x accum={accum} equal micro-batches")
+    return n
+
+
 def half_groups(world_size: int) -> tuple[object, object, int]:
     """Inside a worker: the process groups of ranks ``[0, W/2)`` and ``[W/2, W)``, and
     which half (0 or 1) this rank is in. Every rank calls ``new_group`` for both, in the
     same order, as torch.distributed requires."""
     world_size = _check_world(world_size)
+    if not tdist.is_initialized():
+        raise RuntimeError("half_groups runs inside a worker: no process group is initialised "
+                           "(run it with parlearn.distributed.run)")
+    if world_size != tdist.get_world_size():
+        raise ValueError(f"world_size={world_size} differs from the process group's "
+                         f"{tdist.get_world_size()} ranks")
     h = world_size // 2
     groups = (tdist.new_group(list(range(h))), tdist.new_group(list(range(h, world_size))))
     half = int(tdist.get_rank() >= h)
@@ -127,6 +149,13 @@ def worker_half_gradients(rank: int, world_size: int, model: nn.Module, x: torch
     partner exchange), and the payload bytes the ledger saw by kind of collective."""
     from parlearn.distributed import ledger
 
+    # Every argument is checked before the sub-groups are built (the first message):
+    # dist.run hands every rank the same ones, so every rank refuses alike.
+    world_size = _check_world(world_size)
+    check_int("rank", rank, lo=0, hi=world_size - 1)
+    check_module("model", model)
+    accum = check_int("accum", accum, lo=1)
+    _check_batch(x, y, world_size, accum)
     probe = _HalfProbe(model, world_size)
     with ledger() as led:
         a, b = probe.halves(nn.functional.cross_entropy, x, y, accum)

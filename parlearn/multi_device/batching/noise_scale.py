@@ -192,12 +192,13 @@ def monte_carlo_halves(problem: LinearRegressionProblem, w: torch.Tensor, batch:
     """``reps`` independent batches of ``batch`` fresh examples of ``problem`` at ``w``:
     each batch's :class:`HalfStats`, from the per-example gradients ``x (x . w - y)``
     (vectorised, ``chunk`` batches at a time)."""
-    batch = check_int("batch", batch, lo=2)
-    if batch % 2:
-        raise ValueError(f"batch must be even (two halves), got {batch}")
+    if not isinstance(problem, LinearRegressionProblem):
+        raise TypeError(f"problem must be a LinearRegressionProblem, got "
+                        f"{type(problem).__name__}")
+    batch = _check_even_batch(batch)
     reps = check_int("reps", reps, lo=1)
     check_int("chunk", chunk, lo=1)
-    w = check_tensor("w", w, shape=(problem.d,), floating=True).to(torch.float64)
+    w = check_tensor("w", w, shape=(problem.d,), floating=True, finite=True).to(torch.float64)
     gen = torch.Generator().manual_seed(check_int("seed", seed, lo=0))
     out = []
     for start in range(0, reps, chunk):
@@ -233,8 +234,22 @@ def measure_noise_scale(model: nn.Module, task, batch: int, reps: int, *,
     and ``E[a^T H b] = G^T H G`` (independent halves), two Hessian-vector products a batch;
     the result's ``"b_noise"`` is the ratio of the two means, as for ``B_simple``."""
     check_module("model", model)
-    batch = check_int("batch", batch, lo=2)
+    for attr in ("draw", "loss_fn"):
+        if not callable(getattr(task, attr, None)):
+            raise TypeError(f"task must have a draw(step, n) and a loss_fn(out, y) method (a "
+                            f"RegressionTask, a DigitsTask), got {type(task).__name__}")
+    batch = _check_even_batch(batch)
     reps = check_int("reps", reps, lo=1)
+    first_draw = check_int("first_draw", first_draw, lo=0)
+    if hessian_data is not None:
+        if not isinstance(hessian_data, tuple | list) or len(hessian_data) != 2:
+            raise TypeError(f"hessian_data must be None or a pair (x, y) of tensors, got "
+                            f"{hessian_data!r}")
+        hx = check_tensor("hessian_data x", hessian_data[0], finite=True)
+        hy = check_tensor("hessian_data y", hessian_data[1], finite=True)
+        if hx.dim() == 0 or hy.dim() == 0 or hx.shape[0] != hy.shape[0] or hx.shape[0] == 0:
+            raise ValueError(f"hessian_data must hold as many targets as examples, got shapes "
+                             f"{tuple(hx.shape)} and {tuple(hy.shape)}")
     g2 = trace = cos = hg = htrace = 0.0
     for r in range(reps):
         x, y = task.draw(first_draw + r, batch)

@@ -147,6 +147,14 @@ class DigitsTask:
     split: Split
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.split, Split):
+            raise TypeError(f"split must be a parlearn.datasets Split (e.g. digits()), got "
+                            f"{type(self.split).__name__}")
+        if self.split.x_train.shape[0] == 0:
+            raise ValueError("split must hold at least one training example")
+        check_int("seed", self.seed, lo=0)
+
     def draw(self, step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         idx = torch.randint(0, self.split.x_train.shape[0], (n,), generator=gen)

@@ -16,7 +16,14 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from parlearn.core.checks import check_float, check_int, check_module
+from parlearn.core.checks import (
+    check_bool,
+    check_callable,
+    check_device,
+    check_float,
+    check_int,
+    check_module,
+)
 from parlearn.multi_device.batching.noise_scale import critical_batch_fit
 from parlearn.multi_device.batching.tasks import DigitsTask
 from parlearn.multi_device.batching.training import samples_to_target, train, worker_train
@@ -37,10 +44,21 @@ def batch_sweep(model: nn.Module, task, batches: Sequence[int], lrs: Sequence[fl
     import copy
 
     check_module("model", model)
+    for attr in ("draw", "loss_fn", "eval_loss"):
+        if not callable(getattr(task, attr, None)):
+            raise TypeError(f"task must have draw, loss_fn and eval_loss methods (a "
+                            f"RegressionTask, a DigitsTask), got {type(task).__name__}")
+    for name, seq in (("batches", batches), ("lrs", lrs)):
+        if isinstance(seq, str | bytes) or not isinstance(seq, Sequence):
+            raise TypeError(f"{name} must be a sequence, got {seq!r}")
     batches = [check_int("batches[i]", b, lo=2) for b in batches]
     lrs = [check_float("lrs[i]", lr, lo=0, lo_open=True) for lr in lrs]
     if not batches or not lrs:
         raise ValueError("batches and lrs must not be empty")
+    # train takes None (no target) and checks steps itself, before any step
+    target_loss = check_float("target_loss", target_loss)
+    if progress is not None:
+        check_callable("progress", progress)
     rows = []
     for i, b in enumerate(batches):
         best = None
@@ -116,6 +134,8 @@ def bench(device: torch.device, quick: bool) -> list:
     the models are tiny, and extra threads only contend for shared cores."""
     from parlearn.core.device import threads
 
+    check_device("device", device)   # checked, then unused: see _bench
+    check_bool("quick", quick)
     with threads(1):
         return _bench(quick)
 

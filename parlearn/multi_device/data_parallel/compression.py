@@ -214,6 +214,13 @@ def compressed_all_reduce(x: torch.Tensor, *, average: bool = True,
     if error_feedback is not None and not isinstance(error_feedback, ErrorFeedback):
         raise TypeError("error_feedback must be an ErrorFeedback or None, got "
                         f"{type(error_feedback).__name__}")
+    _check_group(group)
+    if error_feedback is not None:
+        try:
+            hash(key)
+        except TypeError:
+            raise TypeError(f"key must be hashable (it names the error-feedback state), got "
+                            f"{type(key).__name__}") from None
     if out is not None:
         check_tensor("out", out, dtype=x.dtype, shape=tuple(x.shape))
         if out.device != x.device:
@@ -302,10 +309,17 @@ def compressed_all_reduce_reference(xs: list[torch.Tensor], *, average: bool = T
     return out[:xs[0].numel()].reshape(xs[0].shape).to(xs[0].dtype)
 
 
+def _check_group(group) -> None:
+    if group is not None and not isinstance(group, tdist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None (the world), "
+                        f"got {group!r}")
+
+
 class Dettmers8HookState:
     """State of :func:`dettmers8_hook`: the process group and optional error feedback."""
 
     def __init__(self, group=None, *, error_feedback: bool = False) -> None:
+        _check_group(group)
         check_bool("error_feedback", error_feedback)
         self.group = group
         self.error_feedback = ErrorFeedback() if error_feedback else None
@@ -319,6 +333,11 @@ def dettmers8_hook(state: Dettmers8HookState, bucket) -> torch.futures.Future:
     hook (the future is already complete when returned), so it overlaps nothing; error
     feedback is keyed by the bucket's index.
     """
+    if not isinstance(state, Dettmers8HookState):
+        raise TypeError(f"state must be a Dettmers8HookState, got {type(state).__name__}")
+    if not isinstance(bucket, tdist.GradBucket):
+        raise TypeError(f"bucket must be the torch.distributed.GradBucket DDP passes its comm "
+                        f"hook, got {type(bucket).__name__}")
     buf = bucket.buffer()
     out = compressed_all_reduce(buf, average=True, error_feedback=state.error_feedback,
                                 key=bucket.index(), group=state.group)

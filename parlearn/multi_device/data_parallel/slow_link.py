@@ -120,9 +120,8 @@ def _slowed(kind: str, original: Callable, link: EmulatedLink) -> Callable:
 _active: list[EmulatedLink] = []
 
 
-@contextlib.contextmanager
-def emulated_link(alpha: float, bandwidth: float, *,
-                  sleep: Callable[[float], None] = time.sleep) -> Iterator[EmulatedLink]:
+def emulated_link(alpha: float, bandwidth: float, *, sleep: Callable[[float], None] = time.sleep
+                  ) -> contextlib.AbstractContextManager[EmulatedLink]:
     """Inside the block, every collective of :data:`EMULATED_KINDS` issued through
     ``torch.distributed``'s Python API runs, is waited for if async, and is then followed
     by ``sleep(collective_time(kind, payload, N, AlphaBeta(alpha, 1 / bandwidth)))``, which
@@ -131,8 +130,12 @@ def emulated_link(alpha: float, bandwidth: float, *,
     torch issues from C++ (DDP's own buckets). Links do not nest. A
     :func:`parlearn.distributed.ledger` may be opened inside the block (its records then time
     the emulated delay too) or around it (they time the real collective only). ``sleep``
-    is for tests."""
-    link = EmulatedLink(alpha, bandwidth, sleep=sleep)
+    is for tests. The arguments are checked by the call, before any block is entered."""
+    return _emulated(EmulatedLink(alpha, bandwidth, sleep=sleep))
+
+
+@contextlib.contextmanager
+def _emulated(link: EmulatedLink) -> Iterator[EmulatedLink]:
     if _active:
         raise RuntimeError("an emulated link is already active on this process")
     if not tdist.is_initialized():
@@ -184,6 +187,35 @@ def emulated_bandwidths(numel: int, world_size: int, real: AlphaBeta, *, alpha: 
 
 
 
+_SIDE_KEYS = ("bandwidth", "measured", "q1", "q3", "modeled", "steps", "charged")
+
+
+def _check_result(check: dict) -> None:
+    """``check`` has the fields of a :func:`slow_link_check` result that are drawn."""
+    if not isinstance(check, dict):
+        raise TypeError(f"check must be a slow_link_check result (a dict), got "
+                        f"{type(check).__name__}")
+    missing = [k for k in ("coding", "crossover", "numel", "alpha", "below", "above")
+               if k not in check]
+    missing += [f"{side}.{k}" for side in ("below", "above")
+                if isinstance(check.get(side), dict) and "skipped" not in check[side]
+                for k in _SIDE_KEYS if k not in check[side]]
+    bad_sides = [side for side in ("below", "above")
+                 if side in check and not isinstance(check[side], dict)]
+    if missing or bad_sides:
+        raise ValueError(f"check must be a slow_link_check result; missing {missing}, not a "
+                         f"dict: {bad_sides}")
+    coding = check["coding"]
+    if not isinstance(coding, tuple | list) or len(coding) != 2:
+        raise ValueError(f"check['coding'] must be a pair (quantize_s, dequantize_s), got "
+                         f"{coding!r}")
+    for i, c in enumerate(coding):
+        check_float(f"check['coding'][{i}]", c, lo=0)
+    check_float("check['crossover']", check["crossover"], lo=0, finite=False)
+    check_int("check['numel']", check["numel"], lo=1)
+    check_float("check['alpha']", check["alpha"], lo=0)
+
+
 def plot_check(ax, check: dict, real: AlphaBeta) -> list[str]:
     """Draw a :func:`parlearn.data_parallel.workers.slow_link_check` result on ``ax``: the
     modeled fp32 / 8-bit step ratio over emulated bandwidths from 1/30 to 30 times the
@@ -196,6 +228,9 @@ def plot_check(ax, check: dict, real: AlphaBeta) -> list[str]:
     from parlearn.core.viz import modeled_label, plot_measured, plot_modeled
     from parlearn.multi_device.data_parallel.compression import modeled_step_ratio
 
+    _check_result(check)
+    if not isinstance(real, AlphaBeta):
+        raise TypeError(f"real must be an AlphaBeta, got {type(real).__name__}")
     q, d = check["coding"]
     done = [check[s] for s in ("below", "above") if "skipped" not in check[s]]
     lines = [f"{s}: not measured, {check[s]['skipped']}" for s in ("below", "above")
@@ -230,3 +265,45 @@ def plot_check(ax, check: dict, real: AlphaBeta) -> list[str]:
            title=f"{check['numel']} params, 2 ranks; quantize {q * 1e9:.1f}, dequantize "
                  f"{d * 1e9:.1f} ns/element (measured on the ranks)")
     return lines
+
+
+def _slow_link_rows(slow: dict, real) -> list:
+    """The bench rows of a :func:`parlearn.data_parallel.workers.slow_link_check` result, one per
+    side (for ``workers.bench``)."""
+    from parlearn.core.bench import Row
+
+    q, d = slow["coding"]
+    rows = []
+    for side in ("below", "above"):
+        o = slow[side]
+        where = f"{slow['factor']:g}x {side} the modeled crossover"
+        if "skipped" in o:
+            rows.append(Row("data_parallel", f"fp32 DP step, EMULATED link {where}",
+                            "8-bit DP step, same link", math.nan, "cpu, 2 gloo ranks",
+                            detail=f"not measured: {o['skipped']} (modeled)"))
+            continue
+        s = o["steps"]
+        rows.append(Row(
+            "data_parallel",
+            f"fp32 DP step (one bucket), EMULATED link {o['bandwidth'] / 1e6:.3g} MB/s ({where})",
+            "8-bit dynamic-tree DP step, same emulated link", o["measured"],
+            "cpu, 2 gloo ranks x 1 thread, emulated link",
+            target=f"modeled {o['modeled']:.2f}x", met=(o["measured"] > 1) == (o["modeled"] > 1),
+            detail=(f"EMULATED: each collective sleeps its alpha-beta time on a link of "
+                    f"{slow['alpha'] * 1e6:.0f} us per message and {o['bandwidth'] / 1e6:.3g} "
+                    f"MB/s after running for real (this machine's fitted link: {real}). "
+                    f"Modeled crossover: 8 bits pay below an emulated "
+                    f"{slow['crossover'] / 1e6:.3g} MB/s ({slow['numel']} params, coding "
+                    f"measured on the ranks: quantize {q * 1e9:.1f} ns, dequantize "
+                    f"{d * 1e9:.1f} ns per element). Measured ratio {o['measured']:.2f}x "
+                    f"(IQR {o['q1']:.2f}-{o['q3']:.2f} over "
+                    f"{slow['steps'] - 1} interleaved steps): fp32 "
+                    f"{s['bucketed']['median'] * 1e3:.1f} ms, 8-bit "
+                    f"{s['compressed']['median'] * 1e3:.1f} ms, compute alone "
+                    f"{s['local']['median'] * 1e3:.1f} ms. Charged per step: fp32 "
+                    f"{o['charged']['bucketed'][0]:.0f} wire bytes "
+                    f"{o['charged']['bucketed'][1] * 1e3:.1f} ms, 8-bit "
+                    f"{o['charged']['compressed'][0]:.0f} bytes "
+                    f"{o['charged']['compressed'][1] * 1e3:.1f} ms. met = measured and "
+                    f"modeled on the same side of 1.")))
+    return rows

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from parlearn.core.checks import check_choice, check_float, check_int
+from parlearn.core.checks import check_choice, check_float, check_int, check_module, check_tensor
 
 __all__ = ["DelayModel", "expected_order_statistic", "backup_tradeoff", "worker_backup_sgd"]
 
@@ -130,7 +130,9 @@ def backup_tradeoff(n: int, b: int, delays: DelayModel, *, compute_seconds: floa
 
 
 def _flat_grad(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    # a frozen or unused parameter has no gradient: it counts as 0, so it does not move
+    return torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1)
+                      for p in model.parameters()])
 
 
 def _set_flat(model: nn.Module, flat: torch.Tensor) -> None:
@@ -154,12 +156,38 @@ def worker_backup_sgd(rank: int, world_size: int, model: nn.Module, xs: list[tor
     start, and the test accuracy on ``eval_data = (x, y)`` when given; workers return
     their gradients per step and the parameters they computed them at.
     """
+    # Every argument is checked on every rank before the first message (the server checks
+    # the workers' data too): a bad one is an error on all ranks, never a server left waiting.
+    world_size = check_int("world_size", world_size, lo=2)   # a server and a worker
     n = world_size - 1
-    if n < 1:
-        raise ValueError(f"world_size must be >= 2 (a server and a worker), got {world_size}")
+    check_int("rank", rank, lo=0, hi=n)
+    check_module("model", model)
     check_int("b", b, lo=0, hi=n - 1)
-    check_int("steps", steps, lo=1)
+    steps = check_int("steps", steps, lo=1)
     check_float("lr", lr, lo=0, lo_open=True)
+    if not isinstance(delays, DelayModel):
+        raise TypeError(f"delays must be a DelayModel, got {type(delays).__name__}")
+    for name, seq in (("xs", xs), ("ys", ys)):
+        if not isinstance(seq, list | tuple) or len(seq) != n:
+            raise TypeError(f"{name} must be a list of {n} tensors (one per worker), got "
+                            f"{seq!r:.80}")
+    for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        check_tensor(f"xs[{i}]", x, finite=True)
+        check_tensor(f"ys[{i}]", y, floating=False)
+        if x.dim() < 2 or x.shape[0] < steps:
+            raise ValueError(f"xs[{i}] must have shape (steps, batch, ...) with at least "
+                             f"steps={steps} batches, got {tuple(x.shape)}")
+        if y.dim() != 2 or tuple(y.shape) != tuple(x.shape[:2]):
+            raise ValueError(f"ys[{i}] must have shape {tuple(x.shape[:2])} (labels of xs[{i}]),"
+                             f" got {tuple(y.shape)}")
+    if eval_data is not None:
+        if not isinstance(eval_data, list | tuple) or len(eval_data) != 2:
+            raise TypeError(f"eval_data must be None or a pair (x, y), got {eval_data!r:.80}")
+        ex = check_tensor("eval_data x", eval_data[0], finite=True)
+        ey = check_tensor("eval_data y", eval_data[1], ndim=1, floating=False)
+        if ex.dim() == 0 or ex.shape[0] != ey.shape[0]:
+            raise ValueError(f"eval_data must hold one label per example, got shapes "
+                             f"{tuple(ex.shape)} and {tuple(ey.shape)}")
     theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     if rank == 0:
         return _server(model, theta, n, b, lr, steps, eval_data)

@@ -17,8 +17,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from parlearn.core.checks import check_choice, check_int
-from parlearn.core.models import mlp, mlp_param_bytes
+from parlearn.core.checks import check_bool, check_choice, check_device, check_float, check_int
+from parlearn.core.datasets import Split
+from parlearn.core.models import _check_widths, mlp, mlp_param_bytes
 from parlearn.core.timing import UNRELIABLE
 from parlearn.multi_device.data_parallel.ddp import (
     BucketedDP,
@@ -38,6 +39,20 @@ __all__ = ["STEP_KINDS", "worker_step_time", "DIGITS_METHODS", "worker_digits",
 
 STEP_KINDS = ("local", "naive", "bucketed", "one_bucket", "compressed", "compressed_reference",
               "ddp")
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    world_size = check_int("world_size", world_size, lo=1)
+    check_int("rank", rank, lo=0, hi=world_size - 1)
+
+
+def _check_pair(name: str, value, first: str, second: str, *, second_open: bool = False
+                ) -> tuple[float, float]:
+    """``value`` as a pair of finite floats >= 0 (the second > 0 if ``second_open``)."""
+    if isinstance(value, str) or not isinstance(value, tuple | list) or len(value) != 2:
+        raise TypeError(f"{name} must be a pair ({first}, {second}), got {value!r}")
+    return (check_float(f"{name}[0] ({first})", value[0], lo=0),
+            check_float(f"{name}[1] ({second})", value[1], lo=0, lo_open=second_open))
 
 
 def _wrap(kind: str, model: nn.Module, bucket_bytes: int):
@@ -73,11 +88,19 @@ def worker_step_time(rank: int, world_size: int, kinds: Sequence[str], widths: S
     from parlearn.distributed import ledger
     from parlearn.multi_device.data_parallel.slow_link import emulated_link
 
-    kinds = list(kinds)
-    for k in kinds:
-        check_choice("kinds[i]", k, STEP_KINDS)
+    _check_rank(rank, world_size)
+    if isinstance(kinds, str) or not isinstance(kinds, Sequence) or not kinds:
+        raise TypeError(f"kinds must be a non-empty sequence of {STEP_KINDS}, got {kinds!r}")
+    kinds = [check_choice("kinds[i]", k, STEP_KINDS) for k in kinds]
+    if len(set(kinds)) != len(kinds):
+        raise ValueError(f"kinds must not repeat a kind (one replica each), got {kinds}")
+    widths = _check_widths(widths)
     check_int("steps", steps, lo=1)
     check_int("batch", batch, lo=1)
+    check_int("bucket_bytes", bucket_bytes, lo=1)
+    seed = check_int("seed", seed, lo=0)
+    if link is not None:
+        link = _check_pair("link", link, "alpha", "bandwidth", second_open=True)
     gen = torch.Generator().manual_seed(seed + 1 + rank)
     x = torch.randn(batch, widths[0], generator=gen)
     y = torch.randint(0, widths[-1], (batch,), generator=gen)
@@ -126,7 +149,17 @@ def worker_digits(rank: int, world_size: int, method: str, data, steps: int, bat
     from parlearn.distributed import ledger
     from parlearn.multi_device.data_parallel.compression import Dettmers8HookState, dettmers8_hook
 
+    _check_rank(rank, world_size)
     check_choice("method", method, DIGITS_METHODS)
+    if not isinstance(data, Split):
+        raise TypeError(f"data must be a parlearn.datasets Split (digits()), got "
+                        f"{type(data).__name__}")
+    steps = check_int("steps", steps, lo=1)
+    batch = check_int("batch", batch, lo=1)
+    lr = check_float("lr", lr, lo=0, lo_open=True)
+    hidden = check_int("hidden", hidden, lo=1)
+    seed = check_int("seed", seed, lo=0)
+    eval_every = check_int("eval_every", eval_every, lo=1)
     model = mlp([data.n_features, hidden, data.n_classes], seed=seed)
     if method == "fp32":
         wrapped = BucketedDP(model)
@@ -168,6 +201,22 @@ def summarize_steps(results: Sequence[dict], *, skip: int = 1) -> dict[str, dict
     ``skip``, the quartiles, and rank 0's ledger bytes."""
     import statistics
 
+    if isinstance(results, str | dict) or not isinstance(results, Sequence) or not results:
+        raise TypeError(f"results must be a non-empty list of worker_step_time returns (one per "
+                        f"rank), got {results!r:.80}")
+    for r, res in enumerate(results):
+        if not isinstance(res, dict) or not res or set(res) != set(results[0]) or not all(
+                isinstance(v, dict) and isinstance(v.get("times"), list | tuple)
+                and isinstance(v.get("bytes"), dict) for v in res.values()):
+            raise ValueError(f"results[{r}] must be a worker_step_time return (kind -> times "
+                             f"and bytes) with the kinds of results[0], got {res!r:.80}")
+        for k, v in res.items():
+            if len(v["times"]) != len(results[0][k]["times"]):
+                raise ValueError(f"results[{r}][{k!r}] holds {len(v['times'])} steps, "
+                                 f"results[0] {len(results[0][k]['times'])}")
+            for t in v["times"]:
+                check_float("results times", t, lo=0)
+    skip = check_int("skip", skip, lo=0)
     out = {}
     for k in results[0]:
         per_step = [max(r[k]["times"][i] for r in results)
@@ -197,6 +246,7 @@ def worker_rank_coding(rank: int, world_size: int, numel: int, repeat: int = 5
                        ) -> tuple[float, float]:
     """:func:`rank_coding_seconds` on every rank at once: the coding timed under the load
     the steps run under (both ranks coding on the shared cores)."""
+    _check_rank(rank, world_size)
     return rank_coding_seconds(numel, repeat)
 
 
@@ -217,6 +267,9 @@ def worker_slow_link(rank: int, world_size: int, widths: Sequence[int], batch: i
     from parlearn.distributed import AlphaBeta
     from parlearn.multi_device.data_parallel.slow_link import emulated_bandwidths
 
+    _check_rank(rank, world_size)
+    _check_slow_link(widths, batch, steps, alpha, factor, coding, lo_steps=1)
+    real = _check_pair("real", real, "alpha", "beta")
     numel = sum(mlp_param_bytes(widths)) // 4
     if coding is None:
         qd = torch.tensor(rank_coding_seconds(numel), dtype=torch.float64)
@@ -233,6 +286,17 @@ def worker_slow_link(rank: int, world_size: int, widths: Sequence[int], batch: i
                                     4 * numel, 0, (alpha, bw))   # one bucket: no overlap
         out["sides"][side] = (bw, runs)
     return out
+
+
+def _check_slow_link(widths, batch, steps, alpha, factor, coding, *, lo_steps: int) -> int:
+    _check_widths(widths)
+    check_int("batch", batch, lo=1)
+    steps = check_int("steps", steps, lo=lo_steps)
+    check_float("alpha", alpha, lo=0)
+    check_float("factor", factor, lo=1, lo_open=True)
+    if coding is not None:
+        _check_pair("coding", coding, "quantize_s", "dequantize_s")
+    return steps
 
 
 def slow_link_check(widths: Sequence[int], real, *, coding: tuple[float, float] | None = None,
@@ -264,7 +328,8 @@ def slow_link_check(widths: Sequence[int], real, *, coding: tuple[float, float] 
 
     if not isinstance(real, AlphaBeta):
         raise TypeError(f"real must be an AlphaBeta, got {type(real).__name__}")
-    steps = check_int("steps", steps, lo=3)
+    # steps >= 3: the quartiles of the per-step ratios after the first need two of them
+    steps = _check_slow_link(widths, batch, steps, alpha, factor, coding, lo_steps=3)
     res = run(worker_slow_link, 2, args=(widths, batch, steps, (real.alpha, real.beta), alpha,
                                          factor, coding), timeout=120)
     q, d = res[0]["coding"]
@@ -312,7 +377,10 @@ def bench(device: torch.device, quick: bool) -> list:
         compressed_all_reduce_time,
         crossover_bandwidth,
     )
+    from parlearn.multi_device.data_parallel.slow_link import _slow_link_rows
 
+    check_device("device", device)   # checked, then unused: see the docstring
+    check_bool("quick", quick)
     widths = [128, 256, 256, 10] if quick else [256, 1024, 1024, 1024, 10]
     steps = 5 if quick else 12
     # one fit per collective the paths issue, interleaved in one sweep (gloo's all_gather
@@ -427,44 +495,3 @@ def bench(device: torch.device, quick: bool) -> list:
                     f"({coding.speedup('dequantize', 'dequantize_reference'):.2f}x)"
                     + ("" if coding.reliable else f"; WARNING: {UNRELIABLE}"))),
     ]
-
-
-def _slow_link_rows(slow: dict, real) -> list:
-    """The bench rows of a :func:`slow_link_check` result, one per side."""
-    from parlearn.core.bench import Row
-
-    q, d = slow["coding"]
-    rows = []
-    for side in ("below", "above"):
-        o = slow[side]
-        where = f"{slow['factor']:g}x {side} the modeled crossover"
-        if "skipped" in o:
-            rows.append(Row("data_parallel", f"fp32 DP step, EMULATED link {where}",
-                            "8-bit DP step, same link", math.nan, "cpu, 2 gloo ranks",
-                            detail=f"not measured: {o['skipped']} (modeled)"))
-            continue
-        s = o["steps"]
-        rows.append(Row(
-            "data_parallel",
-            f"fp32 DP step (one bucket), EMULATED link {o['bandwidth'] / 1e6:.3g} MB/s ({where})",
-            "8-bit dynamic-tree DP step, same emulated link", o["measured"],
-            "cpu, 2 gloo ranks x 1 thread, emulated link",
-            target=f"modeled {o['modeled']:.2f}x", met=(o["measured"] > 1) == (o["modeled"] > 1),
-            detail=(f"EMULATED: each collective sleeps its alpha-beta time on a link of "
-                    f"{slow['alpha'] * 1e6:.0f} us per message and {o['bandwidth'] / 1e6:.3g} "
-                    f"MB/s after running for real (this machine's fitted link: {real}). "
-                    f"Modeled crossover: 8 bits pay below an emulated "
-                    f"{slow['crossover'] / 1e6:.3g} MB/s ({slow['numel']} params, coding "
-                    f"measured on the ranks: quantize {q * 1e9:.1f} ns, dequantize "
-                    f"{d * 1e9:.1f} ns per element). Measured ratio {o['measured']:.2f}x "
-                    f"(IQR {o['q1']:.2f}-{o['q3']:.2f} over "
-                    f"{slow['steps'] - 1} interleaved steps): fp32 "
-                    f"{s['bucketed']['median'] * 1e3:.1f} ms, 8-bit "
-                    f"{s['compressed']['median'] * 1e3:.1f} ms, compute alone "
-                    f"{s['local']['median'] * 1e3:.1f} ms. Charged per step: fp32 "
-                    f"{o['charged']['bucketed'][0]:.0f} wire bytes "
-                    f"{o['charged']['bucketed'][1] * 1e3:.1f} ms, 8-bit "
-                    f"{o['charged']['compressed'][0]:.0f} bytes "
-                    f"{o['charged']['compressed'][1] * 1e3:.1f} ms. met = measured and "
-                    f"modeled on the same side of 1.")))
-    return rows
