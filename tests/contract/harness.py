@@ -213,7 +213,10 @@ def assert_accepted(case: Case, arg: str | None = None, value: Any = None) -> No
         kwargs[arg] = value
     result = call(case, kwargs)
     if case.check is not None:
-        case.check(result, kwargs)
+        verdict = case.check(result, kwargs)
+        # A check may assert, or return a bool: a returned False must fail, not vanish.
+        assert verdict is None or bool(verdict), (
+            f"{case.name}: check returned {verdict!r} for {kwargs}")
 
 
 def checked_args(case: Case) -> list[str]:

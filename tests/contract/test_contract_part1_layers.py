@@ -30,9 +30,10 @@ TP = "parlearn.multi_device.tensor_parallel."
 
 
 def _pipeline_run() -> pl_runtime.PipelineRun:
-    # Two stages, one micro-batch: F and B on each, measured durations 1, 2 and 1, 1.
-    events = [("rank 0", "F0", 0.0, 1.0), ("rank 0", "B0", 3.0, 5.0),
-              ("rank 1", "F0", 1.0, 2.0), ("rank 1", "B0", 2.0, 3.0)]
+    # Two stages, one micro-batch: F and B on each, measured durations 1, 2 and 1, 1 (events
+    # are named "kind micro-batch", as run_pipeline records them).
+    events = [("rank 0", "F 0", 0.0, 1.0), ("rank 0", "B 0", 3.0, 5.0),
+              ("rank 1", "F 0", 1.0, 2.0), ("rank 1", "B 0", 2.0, 3.0)]
     return pl_runtime.PipelineRun("gpipe", 2, 1, [], [["F0", "B0"]] * 2, events, [])
 
 
