@@ -43,6 +43,10 @@ ZOO_RUNS: dict[str, list[str]] = {
     **{f"multi_device.data_parallel.ddp.{f}":
        [DP + "test_dp_wrappers_on_the_zoo_equal_one_process_or_refuse_up_front"]
        for f in ("NaiveDP", "BucketedDP", "CompressedDP")},
+    **{f"multi_device.data_parallel.ddp.{f}":
+       ["tests/multi_device/test_dp_zoo_training.py::"
+        "test_worker_train_on_the_zoo_equals_train_reference"]
+       for f in ("make_ddp", "train_reference", "worker_train")},
     "multi_device.sharding.zero.ShardedAdam":
         ["tests/multi_device/test_sharding.py::"
          "test_sharded_adam_on_the_zoo_equals_torch_adam_or_refuses_up_front"],
@@ -134,9 +138,6 @@ ZOO_PENDING: list[str] = [
     "multi_device.batching.tradeoff.batch_sweep",
     "multi_device.batching.training.train",
     "multi_device.batching.training.worker_train",
-    "multi_device.data_parallel.ddp.make_ddp",
-    "multi_device.data_parallel.ddp.train_reference",
-    "multi_device.data_parallel.ddp.worker_train",
     "multi_device.data_parallel.stragglers.worker_backup_sgd",
     "multi_device.pipeline.torch_pipeline.run_torch_zoo",
     "serial_chain.local.net.LocalNet",

@@ -292,9 +292,20 @@ class CompressedDP(_DataParallel):
 def make_ddp(module: nn.Module, *, bucket_bytes: int = 25 * 2**20, group=None
              ) -> nn.parallel.DistributedDataParallel:
     """torch's ``DistributedDataParallel`` around ``module`` (CPU/gloo or one GPU per rank),
-    with its bucket cap set to ``bucket_bytes``."""
+    with its bucket cap set to ``bucket_bytes``. A plain BatchNorm is refused, as by the
+    from-scratch wrappers: DDP would normalise each rank's shard by its own statistics and
+    not train as one process (convert it with ``nn.SyncBatchNorm.convert_sync_batchnorm`` on
+    GPUs, or use LayerNorm/GroupNorm)."""
     check_module("module", module)
     check_int("bucket_bytes", bucket_bytes, lo=1)
+    for name, m in module.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(
+                m, nn.SyncBatchNorm):
+            raise ValueError(
+                f"module has {type(m).__name__} at {name!r}: DDP would normalise each rank's "
+                "shard by its own batch statistics, so it would not train as one process; "
+                "convert it with nn.SyncBatchNorm.convert_sync_batchnorm (GPUs) or use "
+                "LayerNorm/GroupNorm")
     dev = next(module.parameters()).device
     ids = [dev.index] if dev.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(module, device_ids=ids,
