@@ -36,6 +36,9 @@ ZOO_RUNS: dict[str, list[str]] = {
        [REPL + "test_zoo_batched_equals_looped_and_frozen_never_moves",
         REPL + "test_zoo_batchnorm_refused_in_training_mode_and_equal_in_eval_mode"]
        for f in ("stack", "sgd_step_batched", "sgd_step_looped")},
+    **{f"many_copies.replicas.{f}":
+       [REPL + "test_zoo_train_batched_equals_train_looped_and_predict_equals_each_model"]
+       for f in ("runs.train_batched", "runs.train_looped", "stacked.predict")},
     "multi_device.batching.halves.half_gradients":
         ["tests/multi_device/test_batching_zoo.py::test_halves_average_to_the_whole_batch"],
     "multi_device.batching.halves.worker_half_gradients":
@@ -131,9 +134,6 @@ ZOO_EXEMPT: dict[str, str] = {
 
 ZOO_PENDING: list[str] = [
     "many_copies.dither.gradients.grad_variance",
-    "many_copies.replicas.runs.train_batched",
-    "many_copies.replicas.runs.train_looped",
-    "many_copies.replicas.stacked.predict",
     "multi_device.batching.noise_scale.measure_noise_scale",
     "multi_device.batching.tradeoff.batch_sweep",
     "multi_device.batching.training.train",

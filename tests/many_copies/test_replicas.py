@@ -283,3 +283,28 @@ def test_zoo_batchnorm_refused_in_training_mode_and_equal_in_eval_mode():
     ref, _ = rp.stack(models)
     for k in ref:
         torch.testing.assert_close(params[k], ref[k], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,dtype", zoo.cases(names=[n for n in zoo.ZOO if n != "batchnorm"]))
+def test_zoo_train_batched_equals_train_looped_and_predict_equals_each_model(name, dtype):
+    """Whole runs on every zoo model it accepts: train_batched equals train_looped (13
+    examples in minibatches of 5: a short last batch), and predict gives each replica's own
+    logits; frozen parameters never move and the models' state is left alone."""
+    models = _zoo_replicas(name, dtype)
+    base = copy.deepcopy(models[0])
+    params, buffers = rp.stack(models)
+    before = [zoo.frozen(m) for m in models]
+    x, y = zoo.batch(13, dtype, seed=5)
+    tol = dict(rtol=0, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    with zoo.kept_state(base, *models):
+        params = rp.train_batched(base, params, buffers, x, y, epochs=2, lr=0.2, batch_size=5)
+        rp.train_looped(models, x, y, epochs=2, lr=0.2, batch_size=5)
+        ref, _ = rp.stack(models)
+        for k in ref:
+            torch.testing.assert_close(params[k], ref[k], **tol)
+        logits = rp.predict(base, params, buffers, x)
+        with torch.no_grad():
+            for i, m in enumerate(models):
+                torch.testing.assert_close(logits[i], m(x), **tol)
+    for m, b in zip(models, before, strict=True):
+        zoo.assert_frozen_unmoved(m, b)
