@@ -25,6 +25,7 @@ PIPE = "tests/multi_device/test_pipeline_models.py::"
 REPL = "tests/many_copies/test_replicas.py::"
 NEQ = "tests/serial_chain/test_neq.py::"
 REPU = "tests/serial_chain/test_repurpose.py::"
+BZ = "tests/multi_device/test_batching_zoo_training.py::"
 
 ZOO_RUNS: dict[str, list[str]] = {
     "many_copies.dither.gradients.parallel_grad":
@@ -39,6 +40,14 @@ ZOO_RUNS: dict[str, list[str]] = {
     **{f"many_copies.replicas.{f}":
        [REPL + "test_zoo_train_batched_equals_train_looped_and_predict_equals_each_model"]
        for f in ("runs.train_batched", "runs.train_looped", "stacked.predict")},
+    "multi_device.batching.training.train":
+        [BZ + "test_on_ranks_equals_one_process_on_the_zoo"],
+    "multi_device.batching.training.worker_train":
+        [BZ + "test_on_ranks_equals_one_process_on_the_zoo"],
+    "multi_device.batching.noise_scale.measure_noise_scale":
+        [BZ + "test_noise_scale_and_sweep_run_on_the_zoo_and_leave_the_model_alone"],
+    "multi_device.batching.tradeoff.batch_sweep":
+        [BZ + "test_noise_scale_and_sweep_run_on_the_zoo_and_leave_the_model_alone"],
     "multi_device.batching.halves.half_gradients":
         ["tests/multi_device/test_batching_zoo.py::test_halves_average_to_the_whole_batch"],
     "multi_device.batching.halves.worker_half_gradients":
@@ -134,10 +143,6 @@ ZOO_EXEMPT: dict[str, str] = {
 
 ZOO_PENDING: list[str] = [
     "many_copies.dither.gradients.grad_variance",
-    "multi_device.batching.noise_scale.measure_noise_scale",
-    "multi_device.batching.tradeoff.batch_sweep",
-    "multi_device.batching.training.train",
-    "multi_device.batching.training.worker_train",
     "multi_device.data_parallel.stragglers.worker_backup_sgd",
     "multi_device.pipeline.torch_pipeline.run_torch_zoo",
     "serial_chain.local.net.LocalNet",
