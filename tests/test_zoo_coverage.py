@@ -31,6 +31,9 @@ ZOO_RUNS: dict[str, list[str]] = {
     "many_copies.dither.gradients.parallel_grad":
         ["tests/many_copies/test_dither.py::test_zoo_parallel_grad_equals_sequential",
          "tests/many_copies/test_dither.py::test_zoo_batchnorm_refused_up_front"],
+    "many_copies.dither.gradients.grad_variance":
+        ["tests/many_copies/test_dither.py::"
+         "test_zoo_grad_variance_equals_the_variance_of_sequential_gradients"],
     "many_copies.dither.gradients.sequential_grad":
         ["tests/many_copies/test_dither.py::test_zoo_parallel_grad_equals_sequential"],
     **{f"many_copies.replicas.stacked.{f}":
@@ -142,7 +145,6 @@ ZOO_EXEMPT: dict[str, str] = {
 }
 
 ZOO_PENDING: list[str] = [
-    "many_copies.dither.gradients.grad_variance",
     "multi_device.data_parallel.stragglers.worker_backup_sgd",
     "multi_device.pipeline.torch_pipeline.run_torch_zoo",
     "serial_chain.local.net.LocalNet",

@@ -642,3 +642,25 @@ def test_zoo_batchnorm_refused_up_front():
     with pytest.raises(ValueError, match="BatchNorm"):
         dither.parallel_grad(zoo.build("batchnorm"), nn.functional.cross_entropy, x, y, copies=2,
                              dither="gaussian", scale=0.1)
+
+
+@pytest.mark.parametrize("name,dtype", zoo.cases(names=[m for m in zoo.ZOO if m != "batchnorm"]))
+def test_zoo_grad_variance_equals_the_variance_of_sequential_gradients(name, dtype):
+    """grad_variance on every zoo model it accepts equals the variance, over the same noise
+    draws, of the loop over copies' gradient; .grad, the RNG and threads are left alone."""
+    model, ref = zoo.build(name, dtype), zoo.build(name, dtype)
+    x, y = zoo.batch(7, dtype)
+    with zoo.kept_state(model):
+        got = dither.grad_variance(model, nn.functional.cross_entropy, x, y, copies=3, draws=4,
+                                   dither="gaussian", scale=0.1, seed=5)
+    g, grads = torch.Generator().manual_seed(5), []
+    params = [p for p in ref.parameters() if p.requires_grad]
+    for _ in range(4):
+        noise = dither.draw_noise(x, 3, dither="gaussian", scale=0.1, generator=g)
+        for p in params:
+            p.grad = None
+        dither.sequential_grad(ref, nn.functional.cross_entropy, x, y, noise=noise)
+        grads.append(torch.cat([p.grad.reshape(-1) for p in params]))
+    want = torch.stack(grads).var(dim=0).sum().item()
+    assert want > 0
+    assert got == pytest.approx(want, rel=1e-9 if dtype == torch.float64 else 1e-3)
