@@ -62,6 +62,8 @@ ZOO_RUNS: dict[str, list[str]] = {
        ["tests/multi_device/test_dp_zoo_training.py::"
         "test_worker_train_on_the_zoo_equals_train_reference"]
        for f in ("make_ddp", "train_reference", "worker_train")},
+    "multi_device.data_parallel.stragglers.worker_backup_sgd":
+        ["tests/multi_device/test_stragglers_zoo.py::test_equals_one_process_sgd_on_the_zoo"],
     "multi_device.sharding.zero.ShardedAdam":
         ["tests/multi_device/test_sharding.py::"
          "test_sharded_adam_on_the_zoo_equals_torch_adam_or_refuses_up_front"],
@@ -145,7 +147,6 @@ ZOO_EXEMPT: dict[str, str] = {
 }
 
 ZOO_PENDING: list[str] = [
-    "multi_device.data_parallel.stragglers.worker_backup_sgd",
     "multi_device.pipeline.torch_pipeline.run_torch_zoo",
     "serial_chain.local.net.LocalNet",
     "serial_chain.local.rules.local_step",

@@ -162,6 +162,8 @@ def worker_backup_sgd(rank: int, world_size: int, model: nn.Module, xs: list[tor
     n = world_size - 1
     check_int("rank", rank, lo=0, hi=n)
     check_module("model", model)
+    from parlearn.multi_device.data_parallel.ddp import refuse_batch_statistics
+    refuse_batch_statistics(model, "backup-worker SGD")
     check_int("b", b, lo=0, hi=n - 1)
     steps = check_int("steps", steps, lo=1)
     check_float("lr", lr, lo=0, lo_open=True)
