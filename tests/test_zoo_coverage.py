@@ -104,6 +104,15 @@ ZOO_RUNS: dict[str, list[str]] = {
     "serial_chain.repurpose.restructure":
         [REPU + "test_zoo_restructure_and_prune_keep_the_function",
          REPU + "test_zoo_nets_repurpose_cannot_handle_are_refused_up_front"],
+    **{f"serial_chain.repurpose.{f}":
+       [REPU + "test_zoo_every_entry_point_keeps_the_function_on_nets_it_accepts",
+        REPU + "test_zoo_every_entry_point_refuses_nets_it_cannot_handle"]
+       for f in ("assign_groups", "comm_bytes", "megatron_bytes", "megatron_inference",
+                 "message_mask", "off_block_mass", "permute", "split_inference", "tradeoff")},
+    **{f"serial_chain.repurpose.{f}":
+       [REPU + "test_zoo_every_entry_point_keeps_the_function_on_nets_it_accepts",
+        REPU + "test_zoo_rank_workers_refuse_on_every_rank"]
+       for f in ("split_worker", "megatron_worker")},
     "serial_chain.repurpose.prune_and_refit":
         [REPU + "test_zoo_restructure_and_prune_keep_the_function"],
     "serial_chain.repurpose.calibration_energy":
@@ -150,17 +159,6 @@ ZOO_PENDING: list[str] = [
     "multi_device.pipeline.torch_pipeline.run_torch_zoo",
     "serial_chain.local.net.LocalNet",
     "serial_chain.local.rules.local_step",
-    "serial_chain.repurpose.assign_groups",
-    "serial_chain.repurpose.comm_bytes",
-    "serial_chain.repurpose.megatron_bytes",
-    "serial_chain.repurpose.megatron_inference",
-    "serial_chain.repurpose.megatron_worker",
-    "serial_chain.repurpose.message_mask",
-    "serial_chain.repurpose.off_block_mass",
-    "serial_chain.repurpose.permute",
-    "serial_chain.repurpose.split_inference",
-    "serial_chain.repurpose.split_worker",
-    "serial_chain.repurpose.tradeoff",
 ]
 
 _MODEL = re.compile(r"\bnn\.(Module|Sequential)\b")

@@ -105,8 +105,9 @@ def linears(net: nn.Module) -> list[nn.Linear]:
           and all(isinstance(m, nn.Linear) for m in mods[::2])
           and all(isinstance(m, nn.ReLU) for m in mods[1::2]))
     if not ok:
+        layers = ", ".join(type(m).__name__ for m in net.children())
         raise TypeError("net must be an nn.Sequential of Linear, ReLU, ..., Linear "
-                        f"with at least two Linear layers, got {net!r}")
+                        f"with at least two Linear layers, got {type(net).__name__}({layers})")
     for i, m in enumerate(mods[::2]):
         if m.bias is None:
             raise ValueError(f"net[{2 * i}] is a Linear without bias: restructuring and "

@@ -233,3 +233,79 @@ def test_rank_entry_points_refuse_before_any_rank_starts(monkeypatch, entry):
         args.update(kw)
         with pytest.raises((ValueError, TypeError), match=name):
             entry(**args)
+
+
+ACCEPTED = ["relu", "frozen"]
+
+
+@pytest.mark.parametrize("name,dtype", zoo.cases(names=ACCEPTED))
+def test_zoo_every_entry_point_keeps_the_function_on_nets_it_accepts(name, dtype):
+    """On the zoo's Linear-ReLU nets: split and Megatron inference on real ranks give the
+    net's own logits with the bytes their models count; a permutation of hidden neurons
+    keeps the function; the groups, masks and off-block mass are well formed; the pruning
+    trade-off at 0 pruning is the dense accuracy. The user's net is left as it was."""
+    from parlearn.core.datasets import Split
+
+    net = zoo.build(name, dtype)
+    x, y = zoo.batch(7, dtype)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    saved = [p.clone() for p in net.parameters()]
+    itemsize = torch.finfo(dtype).bits // 8
+    with zoo.kept_state(net), torch.no_grad():
+        want = net(x)
+        split = rp.split_inference(net, 2, x)
+        mega = rp.megatron_inference(net, 2, x)
+        torch.testing.assert_close(split["logits"], want, **tol)
+        torch.testing.assert_close(mega["logits"], want, **tol)
+        assert split["bytes"] == pytest.approx(sum(rp.comm_bytes(net, 2, batch=7,
+                                                                  itemsize=itemsize).values()))
+        assert mega["bytes"] == pytest.approx(rp.megatron_bytes(net, 2, batch=7,
+                                                                itemsize=itemsize))
+        energy = rp.calibration_energy(net, x)
+        groups, history = rp.assign_groups(net, 2, energy, sweeps=1, restarts=2)
+        assert all(torch.bincount(g).tolist() == [zoo.HIDDEN // 2] * 2 for g in groups)
+        assert history[-1] <= history[0]
+        perms = [torch.argsort(g, stable=True) for g in groups]
+        torch.testing.assert_close(rp.permute(net, perms)(x), want, **tol)
+        assert 0.0 <= rp.off_block_mass(net, 2, energy) <= 1.0
+        masks = rp.message_mask(net, 2)
+        assert all(m.dtype == torch.bool for m in masks)
+        data = Split(x, y, x, y, zoo.OUT)
+        out = rp.tradeoff(net, data, 2, [0.0], sweeps=1)
+        assert out["accuracy"][0] == pytest.approx(out["dense"])
+    assert all(torch.equal(p, s) for p, s in zip(net.parameters(), saved, strict=True))
+
+
+ENTRIES = {
+    "split_inference": lambda net, x: rp.split_inference(net, 2, x),
+    "megatron_inference": lambda net, x: rp.megatron_inference(net, 2, x),
+    "comm_bytes": lambda net, x: rp.comm_bytes(net, 2),
+    "megatron_bytes": lambda net, x: rp.megatron_bytes(net, 2),
+    "message_mask": lambda net, x: rp.message_mask(net, 2),
+    "off_block_mass": lambda net, x: rp.off_block_mass(net, 2),
+    "assign_groups": lambda net, x: rp.assign_groups(net, 2, []),
+    "permute": lambda net, x: rp.permute(net, []),
+    "prune_and_refit": lambda net, x: rp.prune_and_refit(net, 2, x, 0.5),
+    "calibration_energy": lambda net, x: rp.calibration_energy(net, x),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
+@pytest.mark.parametrize("name", [n for n in zoo.ZOO if n not in ACCEPTED])
+def test_zoo_every_entry_point_refuses_nets_it_cannot_handle(entry, name):
+    x, _ = zoo.batch(7)
+    with pytest.raises((TypeError, ValueError), match="net"):
+        ENTRIES[entry](zoo.build(name), x)
+
+
+def _split_worker_on(rank, world, name):
+    x, _ = zoo.batch(7)
+    worker = rp.split_worker if name.startswith("split") else rp.megatron_worker
+    return worker(rank, world, zoo.build(name.split(":")[1]), x)
+
+
+@pytest.mark.parametrize("worker", ["split", "megatron"])
+def test_zoo_rank_workers_refuse_on_every_rank(worker):
+    from ranks import assert_refused_on_every_rank
+
+    assert_refused_on_every_rank(_split_worker_on, (f"{worker}:tanh",), name="net")
