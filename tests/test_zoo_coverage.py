@@ -79,6 +79,8 @@ ZOO_RUNS: dict[str, list[str]] = {
         [PIPE + "test_virtual_and_torch_schedules_on_the_odd_model"],
     "multi_device.pipeline.torch_pipeline.run_torch_pipeline":
         [PIPE + "test_virtual_and_torch_schedules_on_the_odd_model"],
+    "multi_device.pipeline.torch_pipeline.run_torch_zoo":
+        [PIPE + "test_torchs_multi_stage_schedules_on_the_odd_model"],
     "multi_device.pipeline.hydra.hydra_train":
         [PIPE + "test_hydra_trains_models_with_a_frozen_layer_as_if_alone"],
     "multi_device.pipeline.hydra.hydra_reference":
@@ -156,7 +158,6 @@ ZOO_EXEMPT: dict[str, str] = {
 }
 
 ZOO_PENDING: list[str] = [
-    "multi_device.pipeline.torch_pipeline.run_torch_zoo",
     "serial_chain.local.net.LocalNet",
     "serial_chain.local.rules.local_step",
 ]

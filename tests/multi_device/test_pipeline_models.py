@@ -12,6 +12,7 @@ from torch import nn
 
 from parlearn import distributed as dist
 from parlearn.multi_device import pipeline as pl
+from parlearn.multi_device.pipeline.torch_pipeline import TORCH_ZOO, run_torch_zoo
 from parlearn.multi_device.pipeline.zoo import zoo_schedule
 
 TOL = 1e-12
@@ -179,3 +180,11 @@ def test_layer_costs_measure_a_frozen_layer(odd):
     costs = pl.layer_costs(model, x, repeat=1)
     assert len(costs) == len(model) and all(c > 0 for c in costs)
     assert all(p.grad is None for p in model.parameters())   # the caller's .grad untouched
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_ZOO))
+def test_torchs_multi_stage_schedules_on_the_odd_model(odd, name):
+    """torch's interleaved / zero-bubble schedules (two virtual stages per rank) on the user's
+    flat model with a frozen layer equal the single-process gradients."""
+    model, x, y, ref = odd
+    assert _max_err(run_torch_zoo(name, model, x, y, 2, 4, timeout=60), ref) < TOL
