@@ -79,6 +79,11 @@ def test_zero_bubble_reaches_zb_h1_makespan():
         if m >= stages:
             assert zb.makespan == 3 * m + stages - 1
             assert zb.bubble == pytest.approx((stages - 1) / (3 * m + stages - 1))
+            # a third of 1F1B's idle *time* per stage, more than a third of its fraction
+            idle_zb = [zb.makespan - b for b in zb.busy]
+            idle_one = [one.makespan - b for b in one.busy]
+            assert idle_zb == pytest.approx([i / 3 for i in idle_one])
+            assert zb.bubble > one.bubble / 3
         # the paper's ZB-H1: P-s awaiting B plus s awaiting W, 1F1B's first-stage peak
         assert zb.peak_in_flight == [min(stages, m)] * stages
 
