@@ -253,3 +253,20 @@ def test_make_model_leaves_the_global_rng_alone():
     assert torch.equal(state, torch.random.get_rng_state())
     b = pl.make_model([3, 5, 2], seed=1)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_measured_beside_simulated_shares_one_time_axis():
+    measured = [("rank 0", "F 0", 10.0, 11.0), ("rank 1", "F 0", 11.5, 12.5),
+                ("rank 0", "B 0", 13.0, 15.0)]
+    sim = pl.simulate(pl.schedule("gpipe", 2, 1), 1.0, 2.0)
+    out = pl.measured_beside_simulated(measured, sim.events)
+    lanes = list(dict.fromkeys(e[0] for e in out))
+    assert lanes == ["rank 0 measured", "rank 0 simulated", "rank 1 measured",
+                     "rank 1 simulated"]
+    assert [e[2:] for e in out if e[0] == "rank 0 measured"] == [(0.0, 1.0), (3.0, 5.0)]
+    assert sorted(e[1:] for e in out if e[0].endswith("simulated")) == sorted(
+        e[1:] for e in sim.events)
+    with pytest.raises(ValueError, match="measured"):
+        pl.measured_beside_simulated([("rank 0", "F 0", 2.0, 1.0)], sim.events)
+    with pytest.raises(TypeError, match="simulated"):
+        pl.measured_beside_simulated(measured, [])
