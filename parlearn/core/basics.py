@@ -9,6 +9,11 @@ cannot be parallelised, the speedup on p workers is
 
     S(p) = 1 / (s + (1 - s) / p)   ->   1/s as p -> infinity.
 
+Gustafson's law asks the other question: grow the problem with p, keeping the parallel
+time fixed, and the scaled speedup is ``s + (1 - s) p`` (:func:`gustafson`), where ``s`` is
+now the serial fraction of the time *on p workers*. :func:`sum_graph` and
+:func:`work_depth` build and count the two ways of summing n numbers (chain, tree).
+
 On one device the cheapest parallelism is batching: n independent matmuls as one
 ``torch.bmm`` call instead of a Python loop of n calls. Its cost model
 (:func:`batching_model`): a call costs ``alpha`` seconds of overhead and a product of
@@ -27,11 +32,12 @@ import numpy as np
 import torch
 
 from parlearn.core.bench import Row
-from parlearn.core.checks import check_float, check_int, check_seed, check_tensor
+from parlearn.core.checks import check_choice, check_float, check_int, check_seed, check_tensor
 from parlearn.core.timing import UNRELIABLE, compare, sweep
 
 __all__ = [
-    "amdahl", "brent_bounds", "looped_matmul", "batched_matmul", "random_batch", "sweep_batching",
+    "amdahl", "gustafson", "sum_graph", "work_depth", "brent_bounds", "looped_matmul",
+    "batched_matmul", "random_batch", "sweep_batching",
     "batching_model", "fit_batching_model",
 ]
 
@@ -57,6 +63,91 @@ def amdahl(serial_fraction, workers):
     if np.any(p < 1):
         raise ValueError(f"workers must be >= 1, got {workers!r}")
     return 1.0 / (s + (1.0 - s) / p)
+
+
+def gustafson(serial_fraction, workers):
+    """Modeled scaled speedup ``s + (1 - s) p`` (Gustafson 1988): the problem grows with
+    ``p`` and ``s`` is the serial fraction of the time on ``p`` workers; broadcasts."""
+    s = _real_array("serial_fraction", serial_fraction)
+    p = _real_array("workers", workers)
+    if np.any((s < 0) | (s > 1)):
+        raise ValueError(f"serial_fraction must lie in [0, 1], got {serial_fraction!r}")
+    if np.any(p < 1):
+        raise ValueError(f"workers must be >= 1, got {workers!r}")
+    return s + (1.0 - s) * p
+
+
+def sum_graph(n: int, shape: str) -> dict:
+    """The graph of summing ``n`` inputs ``x0..x{n-1}``: ``shape="chain"`` adds them one after
+    another (``s1 = x0 + x1``, ``s2 = s1 + x2``, ...), ``"tree"`` adds pairs, then pairs of
+    pairs (an odd one out waits a level). Returns ``{"leaves", "ops", "edges", "pos"}``:
+    input names, operation names, ``(from, to)`` edges ("to needs from") and an (x, y) per
+    node for drawing (inputs at y = 0, each operation one level above its deeper input)."""
+    n = check_int("n", n, lo=2)
+    check_choice("shape", shape, ("chain", "tree"))
+    leaves = [f"x{i}" for i in range(n)]
+    pos = {v: (float(i), 0.0) for i, v in enumerate(leaves)}
+    ops, edges = [], []
+    if shape == "chain":
+        acc = leaves[0]
+        for i in range(1, n):
+            v = f"s{i}"
+            ops.append(v)
+            edges += [(acc, v), (leaves[i], v)]
+            pos[v] = (float(i), float(i))
+            acc = v
+        return {"leaves": leaves, "ops": ops, "edges": edges, "pos": pos}
+    level = leaves
+    while len(level) > 1:
+        nxt = []
+        for j in range(0, len(level) - 1, 2):
+            a, b, v = level[j], level[j + 1], f"t{len(ops)}"
+            ops.append(v)
+            edges += [(a, v), (b, v)]
+            pos[v] = ((pos[a][0] + pos[b][0]) / 2, max(pos[a][1], pos[b][1]) + 1)
+            nxt.append(v)
+        if len(level) % 2:
+            nxt.append(level[-1])
+        level = nxt
+    return {"leaves": leaves, "ops": ops, "edges": edges, "pos": pos}
+
+
+def work_depth(edges, ops) -> tuple[int, int]:
+    """``(W, D)`` of a graph: ``W`` the number of operation nodes, ``D`` the number of
+    operation nodes on the longest path. ``edges`` are ``(from, to)`` pairs, ``ops`` the
+    operation nodes (any other node is an input and costs nothing)."""
+    if isinstance(edges, (str, bytes)) or not hasattr(edges, "__iter__"):
+        raise TypeError(f"edges must be a sequence of (from, to) pairs, got {edges!r}")
+    edges = list(edges)
+    if not all(isinstance(e, tuple | list) and len(e) == 2 for e in edges):
+        raise ValueError(f"edges must hold (from, to) pairs, got {edges!r}")
+    if isinstance(ops, (str, bytes)) or not hasattr(ops, "__iter__"):
+        raise TypeError(f"ops must be a collection of node names, got {ops!r}")
+    ops = set(ops)
+    if not ops:
+        raise ValueError("ops must name at least one operation node")
+    succ: dict = {}
+    indeg: dict = dict.fromkeys(ops, 0)
+    for a, b in edges:
+        succ.setdefault(a, []).append(b)
+        indeg.setdefault(a, 0)
+        indeg[b] = indeg.get(b, 0) + 1
+    # Kahn's order: a node's depth is final once all its predecessors were seen.
+    depth = {v: 0 for v in indeg}
+    ready = [v for v, k in indeg.items() if k == 0]
+    seen = 0
+    while ready:
+        v = ready.pop()
+        seen += 1
+        depth[v] += v in ops
+        for w in succ.get(v, ()):
+            depth[w] = max(depth[w], depth[v])
+            indeg[w] -= 1
+            if indeg[w] == 0:
+                ready.append(w)
+    if seen < len(indeg):
+        raise ValueError("edges must form an acyclic graph; some nodes lie on a cycle")
+    return len(ops), max(depth[v] for v in ops)
 
 
 def brent_bounds(work: float, depth: float, workers: int) -> tuple[float, float]:

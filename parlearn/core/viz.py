@@ -23,6 +23,7 @@ __all__ = [
     "log_ticks",
     "timeline",
     "convergence",
+    "dag",
 ]
 
 
@@ -195,6 +196,32 @@ def timeline(ax, events: Sequence[tuple[str, str, float, float]], *, title: str 
     for k, c in colors.items():
         ax.barh(0, 0, color=c, label=k)
     ax.legend(loc="lower right", fontsize="small")
+    if title:
+        ax.set_title(title)
+
+
+def dag(ax, graph: dict, *, title: str = "") -> None:
+    """Draw a computation graph as :func:`parlearn.basics.sum_graph` returns it: inputs as
+    grey squares (data, not work), operations as blue circles marked "+", edges in grey."""
+    keys = {"leaves", "ops", "edges", "pos"}
+    if not isinstance(graph, dict) or not keys <= set(graph):
+        _refuse("graph", graph, f"a dict with keys {sorted(keys)} (basics.sum_graph)")
+    pos = graph["pos"]
+    missing = [v for v in [*graph["leaves"], *graph["ops"]] if v not in pos]
+    if missing:
+        raise ValueError(f"graph['pos'] must place every node; missing {missing}")
+    check_str("title", title)
+    for a, b in graph["edges"]:
+        ax.plot(*zip(pos[a], pos[b], strict=True), color="gray", zorder=1)
+    ax.scatter(*zip(*(pos[v] for v in graph["leaves"]), strict=True), s=110, marker="s",
+               color="C7", zorder=2, label=f"input ({len(graph['leaves'])}, not work)")
+    ax.scatter(*zip(*(pos[v] for v in graph["ops"]), strict=True), s=170, color="C0",
+               zorder=2, label=f"+ operation ({len(graph['ops'])})")
+    for v in graph["ops"]:
+        ax.text(*pos[v], "+", ha="center", va="center", color="white", zorder=3)
+    ax.set_ylim(-0.8, max(y for _, y in pos.values()) + 0.8)
+    ax.axis("off")
+    ax.legend(loc="upper left", fontsize="small", frameon=False)
     if title:
         ax.set_title(title)
 

@@ -19,6 +19,16 @@ all_to_all         (N-1) (a + n/N b)  (pairwise)    ceil(log2 N) (a + n/2 b)  (B
 =================  ===============================  =========================================
 
 (``n`` is the input for reduce_scatter and all_to_all, the gathered output for all_gather.)
+
+The "tree" column is the textbook binomial tree, which moves the whole tensor at every level
+and is *not* pipelined. NCCL's trees are not that: it runs two binary trees at once (a
+"double binary tree", each carrying half the data, every rank an inner node of at most one),
+and cuts the tensor into chunks that stream up and down them (Sanders, Speck & Traeff 2009;
+NVIDIA's NCCL 2.4 announcement, 2019). Algorithm ``"double_tree"`` is that tree in its
+large-message limit: ``2 ceil(log2 N) a + 2 n b`` for all_reduce (reduce then broadcast:
+latency of a tree, bytes of a ring) and ``ceil(log2 N) a + n b`` for broadcast and reduce;
+it ignores the pipeline's fill (a few chunks' time), so it is a lower bound for small
+messages. NCCL uses trees only for those collectives; the others refuse it.
 The ring all-reduce is a ring reduce-scatter followed by a ring all-gather, so its two
 terms are twice theirs. The pipelined ring broadcast is its large-message limit (chunks
 small against ``n``, so the ``N-1`` hops overlap). The model ignores contention, the
@@ -36,7 +46,7 @@ from parlearn.core.checks import check_choice, check_float, check_int
 __all__ = ["AlphaBeta", "KINDS", "ALGORITHMS", "collective_time", "ring_bytes",
            "fit_alpha_beta"]
 
-ALGORITHMS = ("ring", "tree")
+ALGORITHMS = ("ring", "tree", "double_tree")
 # Each torch function name maps to the collective it performs.
 _CANON = {
     "send": "p2p", "recv": "p2p", "isend": "p2p", "irecv": "p2p", "p2p": "p2p",
@@ -77,6 +87,9 @@ def _check(kind: str, nbytes: float, world_size: int, algorithm: str,
     nbytes = check_float(bytes_name, nbytes, lo=0)
     world_size = check_int("world_size", world_size, lo=1)
     check_choice("algorithm", algorithm, ALGORITHMS)
+    if algorithm == "double_tree" and _CANON[kind] not in ("all_reduce", "broadcast", "p2p"):
+        raise ValueError(f"algorithm 'double_tree' is modeled for all_reduce, broadcast and "
+                         f"reduce only, got kind {kind!r}")
     if _CANON[kind] == "p2p" and world_size < 2:
         raise ValueError(f"{kind} needs world_size >= 2, got {world_size}")
     return _CANON[kind], nbytes, world_size
@@ -95,6 +108,9 @@ def _terms(kind: str, n: float, N: int, algorithm: str) -> tuple[float, float]:
             "broadcast": (N - 1, n if N > 1 else 0.0),
             "all_to_all": (N - 1, (N - 1) / N * n),
         }[kind]
+    if algorithm == "double_tree":   # pipelined: latency of a tree, bytes of a ring
+        return {"all_reduce": (2 * log, 2 * n if N > 1 else 0.0),
+                "broadcast": (log, n if N > 1 else 0.0)}[kind]
     return {
         "all_reduce": (2 * log, 2 * log * n),
         "reduce_scatter": (log, (N - 1) / N * n),
@@ -109,7 +125,9 @@ def collective_time(kind: str, nbytes: float, world_size: int,
                     algorithm: str = "ring") -> float:
     """Modeled seconds of one collective (table in the module docstring): ``kind`` a torch
     function name ("all_reduce", "reduce_scatter_tensor", "send", ...), ``nbytes`` its
-    payload as the ledger counts it, on ``world_size`` ranks.
+    payload as the ledger counts it, on ``world_size`` ranks. ``algorithm``: "ring", "tree"
+    (binomial, not pipelined) or "double_tree" (NCCL's pipelined trees; all_reduce,
+    broadcast and reduce only).
 
     ``model`` is one :class:`AlphaBeta` for every collective, or a mapping from collective
     names (torch's or the table's) to the link fitted for that collective: a real engine

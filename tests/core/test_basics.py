@@ -131,3 +131,32 @@ def test_bad_calls_are_refused_clearly(name):
     call, exc, match = BAD_CALLS[name]
     with pytest.raises(exc, match=match):
         call()
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8, 13, 1024])
+def test_sum_graph_work_and_depth(n):
+    for shape, depth in (("chain", n - 1), ("tree", math.ceil(math.log2(n)))):
+        g = basics.sum_graph(n, shape)
+        assert basics.work_depth(g["edges"], g["ops"]) == (n - 1, depth)
+        # every op adds exactly two earlier values; every input is used once
+        ins = [a for a, _ in g["edges"]]
+        assert all(sum(b == v for _, b in g["edges"]) == 2 for v in g["ops"])
+        assert sorted(v for v in ins if v in g["leaves"]) == sorted(g["leaves"])
+        assert set(g["pos"]) == set(g["leaves"]) | set(g["ops"])
+
+
+def test_work_depth_counts_only_operations_and_refuses_cycles():
+    # x -> a -> b, y -> b: two ops, longest path a, b; inputs are free
+    assert basics.work_depth([("x", "a"), ("a", "b"), ("y", "b")], ["a", "b"]) == (2, 2)
+    assert basics.work_depth([("x", "a"), ("y", "b")], ["a", "b"]) == (2, 1)
+    with pytest.raises(ValueError, match="edges"):
+        basics.work_depth([("a", "b"), ("b", "a")], ["a", "b"])
+
+
+def test_gustafson_grows_linearly_where_amdahl_saturates():
+    assert basics.gustafson(0.0, 8) == pytest.approx(8.0)
+    assert basics.gustafson(1.0, 8) == pytest.approx(1.0)
+    assert basics.gustafson(0.25, 5) == pytest.approx(0.25 + 0.75 * 5)
+    p = np.array([1, 10, 1000])
+    assert np.all(basics.gustafson(0.05, p) >= basics.amdahl(0.05, p))
+    assert basics.gustafson(0.05, 1000) == pytest.approx(950.05)

@@ -283,6 +283,11 @@ M = AlphaBeta(alpha=1e-5, beta=1e-9)
     ("broadcast", "tree", 800, 8, 3 * (1e-5 + 800e-9)),
     ("all_to_all_single", "ring", 800, 4, 3 * (1e-5 + 200e-9)),
     ("all_to_all", "tree", 800, 4, 2 * 1e-5 + 800e-9),
+    ("all_reduce", "double_tree", 4000, 8, 6e-5 + 2 * 4000e-9),   # 2 log2 N a + 2 n b
+    ("all_reduce", "double_tree", 4000, 5, 6e-5 + 2 * 4000e-9),
+    ("all_reduce", "double_tree", 4000, 1, 0.0),
+    ("broadcast", "double_tree", 800, 8, 3e-5 + 800e-9),
+    ("reduce", "double_tree", 800, 4, 2e-5 + 800e-9),
 ])
 def test_collective_time_hand_computed(kind, algorithm, n, N, expected):
     assert math.isclose(collective_time(kind, n, N, M, algorithm), expected, rel_tol=1e-12)
@@ -313,6 +318,21 @@ def test_ring_all_reduce_is_reduce_scatter_plus_all_gather():
         assert math.isclose(collective_time("all_reduce", 1e6, N, M), rs_ag, rel_tol=1e-12)
     assert ring_bytes("all_reduce", 1000, 4) == 1500
     assert ring_bytes("all_gather_into_tensor", 1000, 4) == 750
+
+
+def test_double_tree_has_a_trees_latency_and_a_rings_bytes():
+    # Large messages: the pipelined tree's time per byte is the ring's limit 2 n b, far
+    # below the binomial tree's 2 log2 N n b; small ones: its latency is the tree's.
+    big, small = 14e9, 8.0
+    for N in (8, 64, 1024):
+        ring = collective_time("all_reduce", big, N, M)
+        dbt = collective_time("all_reduce", big, N, M, "double_tree")
+        binomial = collective_time("all_reduce", big, N, M, "tree")
+        assert 1 < dbt / ring < N / (N - 1) * 1.001 and binomial / dbt > math.log2(N) * 0.99
+        assert math.isclose(collective_time("all_reduce", small, N, M, "double_tree"),
+                            collective_time("all_reduce", small, N, M, "tree"), rel_tol=1e-3)
+    with pytest.raises(ValueError, match="double_tree"):
+        collective_time("all_gather", 1e6, 4, M, "double_tree")
 
 
 def test_cost_model_rejects_bad_input():

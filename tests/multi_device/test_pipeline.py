@@ -79,6 +79,11 @@ def test_zero_bubble_reaches_zb_h1_makespan():
         if m >= stages:
             assert zb.makespan == 3 * m + stages - 1
             assert zb.bubble == pytest.approx((stages - 1) / (3 * m + stages - 1))
+            # a third of 1F1B's idle *time* per stage, more than a third of its fraction
+            idle_zb = [zb.makespan - b for b in zb.busy]
+            idle_one = [one.makespan - b for b in one.busy]
+            assert idle_zb == pytest.approx([i / 3 for i in idle_one])
+            assert zb.bubble > one.bubble / 3
         # the paper's ZB-H1: P-s awaiting B plus s awaiting W, 1F1B's first-stage peak
         assert zb.peak_in_flight == [min(stages, m)] * stages
 
@@ -248,3 +253,20 @@ def test_make_model_leaves_the_global_rng_alone():
     assert torch.equal(state, torch.random.get_rng_state())
     b = pl.make_model([3, 5, 2], seed=1)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_measured_beside_simulated_shares_one_time_axis():
+    measured = [("rank 0", "F 0", 10.0, 11.0), ("rank 1", "F 0", 11.5, 12.5),
+                ("rank 0", "B 0", 13.0, 15.0)]
+    sim = pl.simulate(pl.schedule("gpipe", 2, 1), 1.0, 2.0)
+    out = pl.measured_beside_simulated(measured, sim.events)
+    lanes = list(dict.fromkeys(e[0] for e in out))
+    assert lanes == ["rank 0 measured", "rank 0 simulated", "rank 1 measured",
+                     "rank 1 simulated"]
+    assert [e[2:] for e in out if e[0] == "rank 0 measured"] == [(0.0, 1.0), (3.0, 5.0)]
+    assert sorted(e[1:] for e in out if e[0].endswith("simulated")) == sorted(
+        e[1:] for e in sim.events)
+    with pytest.raises(ValueError, match="measured"):
+        pl.measured_beside_simulated([("rank 0", "F 0", 2.0, 1.0)], sim.events)
+    with pytest.raises(TypeError, match="simulated"):
+        pl.measured_beside_simulated(measured, [])

@@ -64,7 +64,12 @@ from parlearn.multi_device.pipeline.schedules import (
     bubble_formula,
     schedule,
 )
-from parlearn.multi_device.pipeline.simulator import Simulation, simulate, simulate_bidirectional
+from parlearn.multi_device.pipeline.simulator import (
+    Simulation,
+    measured_beside_simulated,
+    simulate,
+    simulate_bidirectional,
+)
 from parlearn.multi_device.pipeline.torch_pipeline import (
     TORCH_SCHEDULES,
     TORCH_ZOO,
@@ -91,4 +96,4 @@ __all__ = ["SCHEDULES", "Op", "schedule", "bubble_formula", "Simulation", "simul
            "hydra_schedule", "hydra_train", "hydra_reference", "simulate_bidirectional",
            "bench", "Schedule", "ZOO", "zoo_schedule", "validate", "paper_bubble",
            "in_flight_formula", "run_schedule", "TORCH_ZOO", "run_torch_zoo",
-           "dualpipe_v_order", "dualpipe_v", "dualpipe_v_bubble"]
+           "dualpipe_v_order", "dualpipe_v", "dualpipe_v_bubble", "measured_beside_simulated"]

@@ -16,8 +16,10 @@ list from per-stage costs (modeled). Schedules:
   ``G = delta x activation``, which nobody waits for) -- the delta/G split of lesson 20.
   Built as the paper describes it (see :func:`_zero_bubble`): 1F1B's order with stage ``s``
   holding back its first ``s`` ``W``\\ s, which then fill the drain; every stage holds at most
-  ``P`` micro-batches (1F1B's first stage), and the bubble is a third of 1F1B's at equal
-  ``F``, ``B``, ``W``.
+  ``P`` micro-batches (1F1B's first stage). At equal ``F``, ``B``, ``W`` its idle *time*
+  is a third of 1F1B's (``P-1`` op slots against ``3(P-1)``, since 1F1B's backward is
+  ``B + W``); its idle *fraction* ``(P-1)/(3M+P-1)`` is more than a third of 1F1B's
+  ``(P-1)/(M+P-1)`` (0.111 against 0.273 at ``P = 4, M = 8``).
 
 For equal stage costs GPipe and 1F1B idle a fraction ``(P-1)/(M+P-1)`` of the time
 (:func:`bubble_formula`): the pipeline fills for ``P-1`` slots and drains for ``P-1``.
@@ -143,7 +145,8 @@ def _zero_bubble(stage: int, stages: int, m: int) -> list[Op]:
     ``s`` awaiting ``W``: ``min(P, M)`` on every stage, 1F1B's first-stage peak. For
     ``M >= P`` and ``T_W <= T_F`` its bubble as the paper counts it (each stage's idle time
     in its span) is ``(P-1)(T_F+T_B-T_W)``; at equal costs the makespan is ``3M + P - 1``,
-    ``(P-1)/(3M+P-1)`` of a synchronous step idle, a third of 1F1B's (tested)."""
+    ``(P-1)/(3M+P-1)`` of a synchronous step idle: a third of 1F1B's idle time, not of its
+    idle fraction (tested)."""
     warmup = min(stages - stage - 1, m)
     ops = [Op("F", i) for i in range(warmup)]                # warm-up: as 1F1B
     w = 0

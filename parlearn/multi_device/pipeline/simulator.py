@@ -4,18 +4,21 @@
 (or any others) on a model machine and returns a :class:`Simulation`: the timeline, the
 makespan, the bubble and the activations each stage holds at once. Beside it, a
 reconstruction of AMDP (:func:`simulate_bidirectional`, modeled only): two pipelines
-running in opposite directions over the same devices.
+running in opposite directions over the same devices. :func:`measured_beside_simulated`
+puts a measured timeline and a simulated one on one time axis, rank by rank.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from parlearn.core.checks import check_float, check_int
 from parlearn.multi_device.pipeline.schedules import Op, Schedule, schedule
 
-__all__ = ["Simulation", "dependency", "simulate", "simulate_bidirectional"]
+__all__ = ["Simulation", "dependency", "simulate", "simulate_bidirectional",
+           "measured_beside_simulated"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -248,3 +251,34 @@ def simulate_bidirectional(stages: int, micro_batches: int, cost_f: float = 1.0,
             top = max(top, level)
         peak.append(top)
     return Simulation(events, makespan, 1.0 - sum(busy) / (stages * makespan), busy, peak)
+
+
+def measured_beside_simulated(measured: Sequence[tuple], simulated: Sequence[tuple]) -> list:
+    """One event list for one time axis (:func:`parlearn.viz.timeline`): each rank's measured
+    ops on lane ``"rank s measured"``, right above its simulated ops on ``"rank s simulated"``.
+
+    ``measured`` are a run's events (``(lane, label, start, end)``, seconds); they are shifted
+    so that the step starts at 0, as a simulation does. ``simulated`` are a
+    :class:`Simulation`'s events in the same unit (simulate with measured op costs); its
+    ``"stage s"`` lanes are rank ``s``'s.
+    """
+    def check(name, events):
+        if isinstance(events, (str, bytes)) or not isinstance(events, Sequence) or not events:
+            raise TypeError(f"{name} must be a non-empty sequence of (lane, label, start, end)")
+        for i, e in enumerate(events):
+            if not (isinstance(e, tuple | list) and len(e) == 4 and isinstance(e[0], str)
+                    and all(isinstance(t, int | float) and not isinstance(t, bool)
+                            and math.isfinite(t) for t in e[2:]) and e[3] >= e[2]):
+                raise ValueError(f"{name}[{i}] must be (lane, label, start, end) with finite "
+                                 f"start <= end, got {e!r}")
+        return [(e[0].replace("stage", "rank"), *e[1:]) for e in events]
+
+    measured, simulated = check("measured", measured), check("simulated", simulated)
+    t0 = min(e[2] for e in measured)
+    lanes = list(dict.fromkeys([e[0] for e in measured] + [e[0] for e in simulated]))
+    out = []
+    for lane in lanes:
+        out += [(f"{lane} measured", lab, a - t0, b - t0) for ln, lab, a, b in measured
+                if ln == lane]
+        out += [(f"{lane} simulated", lab, a, b) for ln, lab, a, b in simulated if ln == lane]
+    return out
