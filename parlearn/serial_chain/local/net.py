@@ -140,9 +140,10 @@ class LocalNet(nn.Module):
         return self.heads[-1](self.features(x))
 
     def global_params(self) -> list[nn.Parameter]:
-        """What global backprop trains: every block and the last head."""
-        return [p for b in self.blocks for p in b.parameters()] + list(
-            self.heads[-1].parameters())
+        """What global backprop trains: every block and the last head, each parameter once
+        (a weight shared by two blocks is one parameter, stepped once)."""
+        ps = [p for b in self.blocks for p in b.parameters()] + list(self.heads[-1].parameters())
+        return list({id(p): p for p in ps}.values())
 
 
 def _linear(a: int, b: int, gen: torch.Generator, dtype) -> nn.Linear:
