@@ -71,6 +71,8 @@ SHORT_NAMES: dict[str, str] = {
     "value": "elsewhere.value",
     "filters": "elsewhere.filters",
     "nmf": "elsewhere.nmf",
+    # Part 5: running it for real
+    "mfu": "at_scale.mfu",
 }
 
 

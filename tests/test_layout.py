@@ -16,7 +16,7 @@ import parlearn
 PKG = Path(parlearn.__file__).parent
 # A layer may import its own layer and those below it, never one above.
 LAYERS = {"core": 0, "distributed": 1, "multi_device": 2, "serial_chain": 2, "many_copies": 2,
-          "elsewhere": 2}
+          "elsewhere": 2, "at_scale": 3}   # Part 5 looks at the techniques from above
 MAX_LINES = 500  # DESIGN.md: a module over ~400 lines becomes a package
 
 
