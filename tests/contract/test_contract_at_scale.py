@@ -29,6 +29,19 @@ def _trusted(result, kw):
     assert result == []   # the right numerator and the dense peak: nothing to report
 
 
+def _trace():
+    def x(name, a, b, tid=1):
+        return {"ph": "X", "name": name, "ts": a * 1e3, "dur": (b - a) * 1e3, "pid": 0,
+                "tid": tid}
+    return {"traceEvents": [x("forward", 0, 10), x("aten::mm", 0, 8), x("backward", 10, 30),
+                            x("aten::mm", 10, 25), x("gloo:all_reduce", 20, 35, 7),
+                            x("optimizer", 35, 40), x("aten::add_", 36, 39)]}
+
+
+def _adds_up(result, kw):
+    assert abs(result["compute"] + result["exposed"] + result["idle"] - result["step"]) < 1e-12
+
+
 CASES: list[Case] = [
     Case(A + "mfu.peak_flops", lambda: dict(device="H100 SXM", dtype="bfloat16"),
          bad={"device": ["h100", "B200", 3], "dtype": ["bf16", "int8", 3]},
@@ -63,9 +76,40 @@ CASES: list[Case] = [
          legal={"window": [None], "device": ["no such H100 SXM"]}, check=_trusted),
 ]
 
+CASES += [
+    Case(A + "traces.spans", lambda: dict(trace=_trace(), names=("forward",), prefixes=()),
+         bad={"trace": [3, "no such file.json", {"events": []}]},
+         skip={"names": "any names: unknown ones match nothing",
+               "prefixes": "any prefixes: unknown ones match nothing"},
+         check=lambda r, kw: r == [(0.0, 0.01)]),
+    Case(A + "traces.breakdown",
+         lambda: dict(trace=_trace(), compute_prefixes=("aten::",), comm_prefixes=("gloo:",),
+                      phases=("forward", "backward", "optimizer"), window=None),
+         bad={"trace": [3, {"traceEvents": []}], "window": [(0.04, 0.0), "all", (1.0,)]},
+         legal={"window": [None]},
+         skip={"compute_prefixes": "any prefixes: unknown ones match nothing",
+               "comm_prefixes": "any prefixes: unknown ones match nothing",
+               "phases": "any names: unknown ones fall back to every span"},
+         check=_adds_up),
+    Case(A + "traces.step_windows", lambda: dict(trace=_trace(), first="forward",
+                                                 last="optimizer"),
+         bad={"trace": [3], "first": ["no such label"], "last": ["no such label"]},
+         check=lambda r, kw: len(r) == 1),
+    Case(A + "traces.profile_ranks",
+         lambda: dict(worker=lambda r, w: r, world_size=1, args=(), out_dir="/tmp/parlearn-x",
+                      timeout=30.0),
+         ranges={"world_size": (1, None)},
+         bad={"worker": [3, "worker"], "out_dir": [3, None], "timeout": [0.0, -1.0]},
+         skip={"args": "any sequence of arguments for the worker"},
+         legal={"out_dir": ["no such /tmp/parlearn-x"]},   # made when missing
+         run_good=False),   # starts rank processes
+]
+
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
 
-COVERED_ELSEWHERE: dict[str, str] = {}
+COVERED_ELSEWHERE: dict[str, str] = {
+    A + "traces.dp_step_worker": "tests/at_scale/test_traces.py::test_worker_refuses_on_every_rank",
+}
 EXEMPT: dict[str, str] = {
     A + "mfu.FlopCount": "the record flop_count() returns; users only read its fields",
     A + "mfu.Finding": "the record audit() returns; users only read its fields",
