@@ -34,7 +34,8 @@ from pathlib import Path
 from parlearn.core.checks import check_callable, check_float, check_int
 
 __all__ = ["PHASES", "COMPUTE_PREFIXES", "COMM_PREFIXES", "spans", "breakdown", "step_windows",
-           "profile_ranks", "dp_step_worker"]
+           "median_breakdown", "timeline_events", "profile_ranks", "dp_step_worker",
+           "dp_timed_worker"]
 
 PHASES = ("forward", "backward", "optimizer")
 COMPUTE_PREFIXES = ("aten::",)
@@ -201,7 +202,17 @@ def dp_step_worker(rank: int, world_size: int, kind: str, steps: int = 3,
     """Worker: ``steps`` SGD steps of an MLP under ``kind`` (``"naive"``, ``"bucketed"``
     data parallelism from lesson 11, or ``"ddp"``, torch's), each phase labelled for the
     trace (``forward``, ``backward``, ``optimizer``). Returns the number of steps."""
+    _dp_steps(rank, world_size, kind, steps, widths, bucket_bytes, seed, None)
+    return steps
+
+
+def _dp_steps(rank, world_size, kind, steps, widths, bucket_bytes, seed, times) -> None:
+    """The model and wrapper are built once; with ``times`` a list, each step is timed
+    (after a barrier, so every rank starts it together) and appended."""
+    import time
+
     import torch
+    import torch.distributed as tdist
     from torch.profiler import record_function
 
     from parlearn.core.checks import check_choice
@@ -219,6 +230,9 @@ def dp_step_worker(rank: int, world_size: int, kind: str, steps: int = 3,
     x = torch.randn(32, widths[0], generator=g)
     y = torch.randint(0, widths[-1], (32,), generator=g)
     for _ in range(steps):
+        if times is not None:
+            tdist.barrier()
+            t0 = time.perf_counter()
         with record_function("forward"):
             loss = torch.nn.functional.cross_entropy(wrapped(x), y)
         with record_function("backward"):
@@ -226,4 +240,62 @@ def dp_step_worker(rank: int, world_size: int, kind: str, steps: int = 3,
         with record_function("optimizer"):
             opt.step()
             opt.zero_grad(set_to_none=True)
-    return steps
+        if times is not None:
+            times.append(time.perf_counter() - t0)
+
+
+def median_breakdown(trace, *, skip: int = 1) -> dict[str, float]:
+    """:func:`breakdown` of each step (:func:`step_windows`) after the first ``skip``
+    (warm-up), each part's median over those steps, and ``"steps"``: how many."""
+    import statistics
+
+    skip = check_int("skip", skip, lo=0)
+    windows = step_windows(trace)[skip:]
+    if not windows:
+        raise ValueError(f"skip={skip} leaves no step to read")
+    parts = [breakdown(trace, window=w) for w in windows]
+    out = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+    out["steps"] = len(parts)
+    return out
+
+
+def timeline_events(trace, rank: int, window: tuple[float, float]
+                    ) -> list[tuple[str, str, float, float]]:
+    """``(lane, label, start, end)`` for :func:`parlearn.viz.timeline`: this rank's compute
+    and collective spans (merged) inside ``window``, seconds from its start."""
+    check_int("rank", rank, lo=0)
+    w = [(float(window[0]), float(window[1]))]
+    out = []
+    for lane, found in (("compute", spans(trace, (), COMPUTE_PREFIXES)),
+                        ("comm", spans(trace, (), COMM_PREFIXES))):
+        for a, b in _intersect(_union(found), w):
+            out.append((f"rank {rank} {lane}", lane, a - w[0][0], b - w[0][0]))
+    return out
+
+
+def dp_timed_worker(rank: int, world_size: int, kind: str, steps: int, profiled: bool,
+                    widths: Sequence[int] = (256, 1024, 1024, 10)) -> list[float]:
+    """Worker: :func:`dp_step_worker`'s steps, each timed by the rank itself (seconds),
+    under the profiler when ``profiled``: what watching costs."""
+    import torch
+
+    from parlearn.core.checks import check_bool
+
+    check_bool("profiled", profiled)
+    times: list[float] = []
+    if not profiled:
+        _dp_steps(rank, world_size, kind, steps, widths, 2**20, 0, times)
+        return times
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
+                                     else [])
+    prof = profile(activities=acts)
+    with _QuietStderr():
+        prof.__enter__()
+    try:
+        _dp_steps(rank, world_size, kind, steps, widths, 2**20, 0, times)
+    finally:
+        with _QuietStderr():
+            prof.__exit__(None, None, None)
+    return times
