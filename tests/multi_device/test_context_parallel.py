@@ -167,6 +167,24 @@ def test_modeled_sp_moves_tp_bytes_and_ring_volume_does_not_fall_with_n():
     assert uly[0] > uly[1] > uly[2]
 
 
+def test_gqa_kv_heads_shrink_ring_and_ulysses_key_value_bytes():
+    shape = dict(batch=1, seq=64, heads=32, head_dim=4, elt=2)
+    n, s = 4, 64 // 4
+    mha = cp.scheme_cost("ring", world_size=n, **shape)
+    gqa = cp.scheme_cost("ring", world_size=n, kv_heads=8, **shape)
+    assert mha == cp.scheme_cost("ring", world_size=n, kv_heads=32, **shape)
+    assert gqa["forward"] == [("isend", 2 * s * 8 * 4 * 2)] * (n - 1)  # K and V of 8 heads
+    assert gqa["wire"] * 4 == mha["wire"]                               # Llama 3: 8 of 32
+    uly = cp.scheme_cost("ulysses", world_size=n, kv_heads=8, **shape)
+    assert uly["forward"][0] == ("all_to_all_single", s * (32 + 2 * 8) * 4 * 2)  # q + k + v
+    assert cp.scheme_cost("sp", world_size=n, kv_heads=8, **shape) == cp.scheme_cost(
+        "sp", world_size=n, **shape)
+    with pytest.raises(ValueError, match="kv_heads"):
+        cp.scheme_cost("ring", world_size=n, kv_heads=5, **shape)
+    with pytest.raises(ValueError, match="kv_heads"):
+        cp.scheme_cost("ulysses", world_size=16, kv_heads=8, **shape)
+
+
 def test_zigzag_ring_timeline_counts_the_balanced_work():
     r = cp.attention_check("ring", 3, 20, causal=True, layout="zigzag", timeout=20)
     work = [dict((e[0], e[1]) for e in rank["timeline"])["work"] for rank in r["ranks"]]
