@@ -448,3 +448,37 @@ def test_block_attention_refuses_chunks_that_do_not_cover_the_rows():
         cp.block_attention(q, k, v, [(3, 1)], [(0, 6)], False)
     with pytest.raises(TypeError, match="k"):
         cp.block_attention(q, k.float(), v, [(0, 6)], [(0, 6)], False)
+
+
+def test_diagrams_draw_the_schedules_the_code_runs():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from parlearn.multi_device.context_parallel import diagrams
+
+    fig, axes = plt.subplots(1, 3)
+    held = diagrams.draw_ring(axes[0], 3)
+    assert held == [[0, 2, 1], [1, 0, 2], [2, 1, 0]]     # step t: the block of rank r - t
+    cells = [t.get_text() for t in axes[0].texts if t.get_text().startswith("K/V")]
+    assert cells[:3] == ["K/V 0", "K/V 2", "K/V 1"]
+    uly = diagrams.draw_ulysses(axes[1], 2, heads=4)
+    assert uly["before"] == [[0] * 4, [1] * 4] and uly["after"] == [[0, 0, 1, 1]] * 2
+    owners = diagrams.draw_zigzag(axes[2], 3)
+    assert owners == {"contiguous": [0, 0, 1, 1, 2, 2], "zigzag": [0, 1, 2, 2, 1, 0]}
+    assert any("tiles per rank: 7, 7, 7" in t.get_text() for t in axes[2].texts)
+    plt.close(fig)
+    with pytest.raises(ValueError, match="world_size"):
+        diagrams.draw_ring(None, 1)
+    with pytest.raises(ValueError, match="heads"):
+        diagrams.draw_ulysses(None, 4, heads=6)
+
+
+def test_layout_timing_interleaves_both_layouts_in_one_launch():
+    r = cp.layout_timing(2, 16, heads=1, head_dim=2, repeat=2, timeout=30)
+    assert set(r) == set(cp.LAYOUTS)
+    for per_rank in r.values():
+        assert len(per_rank) == 2 and all(len(x) == 2 and min(x) > 0 for x in per_rank)
+    with pytest.raises(ValueError, match="seq"):
+        cp.layout_timing(4, 7)
