@@ -11,6 +11,9 @@ CP = "parlearn.multi_device.context_parallel."
 _AXES = {"ax": "a matplotlib axis, drawn on"}
 
 CASES = [
+    Case("parlearn.multi_device.memory.diagram.draw_block",
+         lambda: dict(ax=None, recompute="none"), bad={"recompute": ["some", "", None]},
+         skip=_AXES, run_good=False),
     Case("parlearn.multi_device.batching.diagram.draw_probe", lambda: dict(ax=None, world_size=4),
          ranges={"world_size": (2, None)}, bad={"world_size": [3, 5]}, skip=_AXES,
          run_good=False),
