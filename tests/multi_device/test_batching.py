@@ -356,3 +356,20 @@ def test_b_noise_uses_the_hessian_of_the_given_data():
     out = bt.measure_noise_scale(model, task, batch=batch, reps=reps, hessian_data=(xh, yh))
     assert out["b_noise"] == pytest.approx(ht / hg, rel=1e-10)
     assert model.weight.grad is None
+
+
+def test_draw_probe_draws_the_plan_the_ranks_run():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    plan = bt.draw_probe(ax, 6)
+    assert plan == {"a": [0, 1, 2], "b": [3, 4, 5], "swaps": [(0, 3), (1, 4), (2, 5)]}
+    arcs = [a for a in ax.texts if getattr(a, "arrow_patch", None) is not None]
+    assert len(arcs) == 3                                    # one swap arrow per pair
+    assert sum("all-reduce on group" in t.get_text() for t in ax.texts) == 2
+    plt.close(fig)
+    with pytest.raises(ValueError, match="world_size"):
+        bt.draw_probe(None, 3)

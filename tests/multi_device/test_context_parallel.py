@@ -167,6 +167,24 @@ def test_modeled_sp_moves_tp_bytes_and_ring_volume_does_not_fall_with_n():
     assert uly[0] > uly[1] > uly[2]
 
 
+def test_gqa_kv_heads_shrink_ring_and_ulysses_key_value_bytes():
+    shape = dict(batch=1, seq=64, heads=32, head_dim=4, elt=2)
+    n, s = 4, 64 // 4
+    mha = cp.scheme_cost("ring", world_size=n, **shape)
+    gqa = cp.scheme_cost("ring", world_size=n, kv_heads=8, **shape)
+    assert mha == cp.scheme_cost("ring", world_size=n, kv_heads=32, **shape)
+    assert gqa["forward"] == [("isend", 2 * s * 8 * 4 * 2)] * (n - 1)  # K and V of 8 heads
+    assert gqa["wire"] * 4 == mha["wire"]                               # Llama 3: 8 of 32
+    uly = cp.scheme_cost("ulysses", world_size=n, kv_heads=8, **shape)
+    assert uly["forward"][0] == ("all_to_all_single", s * (32 + 2 * 8) * 4 * 2)  # q + k + v
+    assert cp.scheme_cost("sp", world_size=n, kv_heads=8, **shape) == cp.scheme_cost(
+        "sp", world_size=n, **shape)
+    with pytest.raises(ValueError, match="kv_heads"):
+        cp.scheme_cost("ring", world_size=n, kv_heads=5, **shape)
+    with pytest.raises(ValueError, match="kv_heads"):
+        cp.scheme_cost("ulysses", world_size=16, kv_heads=8, **shape)
+
+
 def test_zigzag_ring_timeline_counts_the_balanced_work():
     r = cp.attention_check("ring", 3, 20, causal=True, layout="zigzag", timeout=20)
     work = [dict((e[0], e[1]) for e in rank["timeline"])["work"] for rank in r["ranks"]]
@@ -430,3 +448,37 @@ def test_block_attention_refuses_chunks_that_do_not_cover_the_rows():
         cp.block_attention(q, k, v, [(3, 1)], [(0, 6)], False)
     with pytest.raises(TypeError, match="k"):
         cp.block_attention(q, k.float(), v, [(0, 6)], [(0, 6)], False)
+
+
+def test_diagrams_draw_the_schedules_the_code_runs():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from parlearn.multi_device.context_parallel import diagrams
+
+    fig, axes = plt.subplots(1, 3)
+    held = diagrams.draw_ring(axes[0], 3)
+    assert held == [[0, 2, 1], [1, 0, 2], [2, 1, 0]]     # step t: the block of rank r - t
+    cells = [t.get_text() for t in axes[0].texts if t.get_text().startswith("K/V")]
+    assert cells[:3] == ["K/V 0", "K/V 2", "K/V 1"]
+    uly = diagrams.draw_ulysses(axes[1], 2, heads=4)
+    assert uly["before"] == [[0] * 4, [1] * 4] and uly["after"] == [[0, 0, 1, 1]] * 2
+    owners = diagrams.draw_zigzag(axes[2], 3)
+    assert owners == {"contiguous": [0, 0, 1, 1, 2, 2], "zigzag": [0, 1, 2, 2, 1, 0]}
+    assert any("tiles per rank: 7, 7, 7" in t.get_text() for t in axes[2].texts)
+    plt.close(fig)
+    with pytest.raises(ValueError, match="world_size"):
+        diagrams.draw_ring(None, 1)
+    with pytest.raises(ValueError, match="heads"):
+        diagrams.draw_ulysses(None, 4, heads=6)
+
+
+def test_layout_timing_interleaves_both_layouts_in_one_launch():
+    r = cp.layout_timing(2, 16, heads=1, head_dim=2, repeat=2, timeout=30)
+    assert set(r) == set(cp.LAYOUTS)
+    for per_rank in r.values():
+        assert len(per_rank) == 2 and all(len(x) == 2 and min(x) > 0 for x in per_rank)
+    with pytest.raises(ValueError, match="seq"):
+        cp.layout_timing(4, 7)

@@ -235,3 +235,21 @@ def test_recomputing_gpt_stashes_no_rng_state_the_ledger_cannot_see(monkeypatch)
         assert stashed == [], f"recompute={mode!r} stashed {sum(stashed)} B of RNG state"
         assert ledger.bytes("activation") == M.activation_bytes(cfg, 2, 8, precision="fp32",
                                                                 recompute=mode)
+
+
+def test_draw_block_marks_what_each_recompute_mode_keeps():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3)
+    none, sel, full = (M.draw_block(ax, m) for ax, m in zip(axes, T.RECOMPUTE, strict=True))
+    assert len(none) == 11 and "softmax output" in none and "GELU input and output" in none
+    assert set(none) - set(sel) == {"softmax output"}     # selective drops the s^2 term only
+    assert full == ["block input x"]
+    orange = [p for p in axes[1].patches if p.get_facecolor()[:3] != (0.88, 0.88, 0.88)]
+    assert len(orange) == len(sel)
+    plt.close(fig)
+    with pytest.raises(ValueError, match="recompute"):
+        M.draw_block(None, "some")

@@ -13,7 +13,7 @@ module           what it holds
                  half-batch gradients (:class:`HalfStats`, :class:`NoiseScale`)
 ``tasks``        linear regression with a known gradient covariance, and digits
 ``halves``       the two half-batch gradients: in one process, and on two sub-groups of
-                 real ranks; the probe's wire bytes
+                 real ranks; the probe's wire bytes (``diagram`` draws the probe)
 ``training``     SimiGrad's controller (a reconstruction) and the training loop for a
                  fixed batch, SimiGrad or AdaScale, in one process or on real ranks
 ``tradeoff``     what adapting buys: the trade-off modeled, the fixed-batch frontier
@@ -27,6 +27,7 @@ The names a notebook uses are re-exported here:
 ``from parlearn import batching as bt; bt.train(model, task, method="simigrad")``.
 """
 
+from parlearn.multi_device.batching.diagram import draw_probe
 from parlearn.multi_device.batching.halves import (
     half_gradients,
     half_groups,
@@ -67,6 +68,7 @@ __all__ = ["expected_cosine", "controller_fixed_point", "adascale_gain",
            "adascale_gain_from_b_simple", "steps_samples_model", "critical_batch_fit",
            "HalfStats", "two_half_stats", "NoiseScale", "SimiGradController",
            "LinearRegressionProblem", "RegressionTask", "DigitsTask", "half_gradients",
-           "half_groups", "worker_half_gradients", "METHODS", "LR_SCALINGS", "History",
+           "half_groups", "worker_half_gradients", "draw_probe", "METHODS", "LR_SCALINGS",
+           "History",
            "train", "worker_train", "probe_bytes", "samples_to_target", "monte_carlo_halves",
            "measure_noise_scale", "batch_sweep", "tradeoff_model", "frontier_samples", "bench"]

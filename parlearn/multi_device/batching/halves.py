@@ -86,6 +86,14 @@ def _check_batch(x: torch.Tensor, y: torch.Tensor, world_size: int, accum: int) 
     return n
 
 
+def _layout(world_size: int) -> tuple[list[int], list[int], list[int]]:
+    """The ranks of half a, of half b, and each rank's partner in the other half (same
+    position): the probe's plan, which the ranks follow and :func:`draw_probe` draws."""
+    h = _check_world(world_size) // 2
+    return (list(range(h)), list(range(h, world_size)),
+            [(r + h) % world_size for r in range(world_size)])
+
+
 def half_groups(world_size: int) -> tuple[object, object, int]:
     """Inside a worker: the process groups of ranks ``[0, W/2)`` and ``[W/2, W)``, and
     which half (0 or 1) this rank is in. Every rank calls ``new_group`` for both, in the
@@ -97,9 +105,9 @@ def half_groups(world_size: int) -> tuple[object, object, int]:
     if world_size != tdist.get_world_size():
         raise ValueError(f"world_size={world_size} differs from the process group's "
                          f"{tdist.get_world_size()} ranks")
-    h = world_size // 2
-    groups = (tdist.new_group(list(range(h))), tdist.new_group(list(range(h, world_size))))
-    half = int(tdist.get_rank() >= h)
+    ranks_a, ranks_b, _ = _layout(world_size)
+    groups = (tdist.new_group(ranks_a), tdist.new_group(ranks_b))
+    half = int(tdist.get_rank() in ranks_b)
     return groups[0], groups[1], half
 
 
@@ -115,7 +123,7 @@ class _HalfProbe:
         self.world_size = _check_world(world_size)
         g0, g1, self.half = half_groups(world_size)
         self.rank = tdist.get_rank()
-        self.partner = (self.rank + world_size // 2) % world_size
+        self.partner = _layout(world_size)[2][self.rank]
         self.dp = BucketedDP(model, bucket_bytes=bucket_bytes,
                              group=(g0, g1)[self.half], record=False)
         self.params = [p for p in model.parameters() if p.requires_grad]

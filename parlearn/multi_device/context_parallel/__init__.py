@@ -10,6 +10,7 @@ module                 what it holds
 ``ulysses``            DeepSpeed-Ulysses: all-to-all sequence <-> heads
 ``sequence_parallel``  Megatron SP: g / g-bar as all-gather / reduce-scatter inside TP
 ``cost``               bytes, messages and activation memory per rank per scheme (modeled)
+``diagrams``           the ring's steps, Ulysses' all-to-all, the zig-zag tiles, drawn
 ``workers``            the checks on real ranks against full attention in one process
 ``gpt``                the tiny GPT trained with each sequence sharded over the ranks
 =====================  ==================================================================
@@ -33,6 +34,7 @@ from parlearn.multi_device.context_parallel.cost import (
     scheme_cost,
     timeline_summary,
 )
+from parlearn.multi_device.context_parallel.diagrams import draw_ring, draw_ulysses, draw_zigzag
 from parlearn.multi_device.context_parallel.gpt import (
     cp_forward,
     cp_train,
@@ -54,6 +56,8 @@ from parlearn.multi_device.context_parallel.workers import (
     attention_check,
     attention_inputs,
     attention_worker,
+    layout_timing,
+    layout_timing_worker,
     saved_bytes,
     torch_cp_worker,
 )
@@ -63,6 +67,7 @@ __all__ = ["LAYOUTS", "shard_chunks", "shard_index", "full_attention", "block_at
            "ring_attention", "AllToAll", "ulysses_attention", "GatherSequence",
            "ScatterSequence", "SequenceParallelBlock", "TensorParallelBlock", "serial_block",
            "sp_block_worker", "SCHEMES", "attention_inputs", "attention_worker",
-           "attention_check", "saved_bytes", "COST_SCHEMES", "scheme_cost",
-           "attention_memory", "hiding_shard", "timeline_summary", "cp_forward", "serial_train",
-           "cp_train", "cp_train_worker", "torch_cp_worker"]
+           "attention_check", "layout_timing", "layout_timing_worker", "saved_bytes",
+           "COST_SCHEMES", "scheme_cost", "attention_memory", "hiding_shard",
+           "timeline_summary", "draw_ring", "draw_ulysses", "draw_zigzag", "cp_forward",
+           "serial_train", "cp_train", "cp_train_worker", "torch_cp_worker"]

@@ -1,23 +1,26 @@
 """What each scheme sends and keeps, per rank and per attention layer (modeled; lesson 17).
 
-Notation: ``b`` batch, ``S`` sequence, ``H`` heads of width ``d`` (``h = H d``), ``N``
-ranks, ``e`` bytes per element, ``s = S / N`` the shard (the formulas assume ``N``
-divides ``S``). Payloads are as :func:`parlearn.distributed.ledger` counts them; wire bytes are
-what a rank sends under the ring / pairwise schedules (:func:`parlearn.distributed.ring_bytes`).
+Notation: ``b`` batch, ``S`` sequence, ``H`` heads of width ``d`` (``h = H d``), ``G``
+key/value heads (``kv_heads``; ``G = H`` is plain multi-head attention, ``G < H`` grouped-query
+attention, Ainslie et al. 2023: Llama 3 has 8 of 32), ``N`` ranks, ``e`` bytes per element,
+``s = S / N`` the shard (the formulas assume ``N`` divides ``S``). Payloads are as
+:func:`parlearn.distributed.ledger` counts them; wire bytes are what a rank sends under the
+ring / pairwise schedules (:func:`parlearn.distributed.ring_bytes`).
 
 ==========  ==============================================  ===========================
 scheme      forward payload per rank                        messages (forward)
 ==========  ==============================================  ===========================
 tp          all-reduce of ``S b h e`` (backward: another)     ``2(N-1)``
 sp          all-gather + reduce-scatter of ``S b h e``        ``2(N-1)``
-ulysses     all-to-all of ``3 b s h e`` (q, k, v), then       ``2(N-1)``
-            all-to-all of ``b s h e`` (the output)
-ring        ``N-1`` sends of a K/V block, ``2 b s h e``       ``N-1``
+ulysses     all-to-all of ``b s (H + 2G) d e`` (q, k, v),     ``2(N-1)``
+            then all-to-all of ``b s h e`` (the output)
+ring        ``N-1`` sends of a K/V block, ``2 b s G d e``     ``N-1``
 ==========  ==============================================  ===========================
 
 Backward: tp and sp mirror forward; Ulysses mirrors forward; ring sends the K/V blocks
 again (``N-1``) and the travelling ``(dK, dV)`` ``N`` times. Ring's volume per rank does not
-fall with ``N`` (``(N-1) 2 b s h e = 2 b S h e (N-1)/N``) but each of its ``N-1`` messages
+fall with ``N`` (``(N-1) 2 b s G d e = 2 b S G d e (N-1)/N``; under GQA ``G/H`` of the
+multi-head volume) but each of its ``N-1`` messages
 can hide behind one block of attention, ``4 b s^2 h`` FLOPs: it hides when
 ``4 b s^2 h / F >= alpha + 2 b s h e beta`` (:func:`hiding_shard`).
 
@@ -49,30 +52,39 @@ def _shape(batch, seq, heads, head_dim, world_size, elt):
 
 
 def scheme_cost(scheme: str, *, batch: int, seq: int, heads: int, head_dim: int,
-                world_size: int, elt: int = 8) -> dict:
-    """One layer's communication per rank under ``scheme`` (table in the module docstring):
-    ``{"forward": [(kind, payload bytes), ...], "backward": [...], "wire": bytes sent over
-    forward and backward, "messages": forward messages on the critical path}``."""
+                world_size: int, elt: int = 8, kv_heads: int | None = None) -> dict:
+    """Communication per rank of one attention layer (ring, ulysses) or one TP region (tp,
+    sp) under ``scheme`` (table in the module docstring): ``{"forward": [(kind, payload
+    bytes), ...], "backward": [...], "wire": bytes sent over forward and backward,
+    "messages": forward messages on the critical path}``. ``kv_heads`` (default ``heads``)
+    sizes the K/V that ring and Ulysses move; it must divide ``heads``, and Ulysses needs
+    ``world_size`` to divide it. tp and sp move the layer's activations, whatever it is."""
     check_choice("scheme", scheme, COST_SCHEMES)
     b, S, H, d, N, e = _shape(batch, seq, heads, head_dim, world_size, elt)
+    G = H if kv_heads is None else check_int("kv_heads", kv_heads, lo=1, hi=H)
+    if H % G:
+        raise ValueError(f"kv_heads={G} must divide heads={H}")
     if scheme in ("ulysses", "ring") and S % N:
         raise ValueError(f"the model assumes world_size={N} divides seq={S}")
     if scheme == "ulysses" and H % N:
         raise ValueError(f"Ulysses needs world_size={N} to divide heads={H}")
+    if scheme == "ulysses" and G % N:
+        raise ValueError(f"Ulysses needs world_size={N} to divide kv_heads={G}")
     if scheme == "ring" and N < 2:
         raise ValueError(f"ring attention needs world_size >= 2, got {N}")
     full, shard = b * S * H * d * e, b * (S // N) * H * d * e
+    kv = b * (S // N) * G * d * e   # one of K, V for this rank's tokens
     if scheme == "tp":
         fwd, bwd, msgs = [("all_reduce", full)], [("all_reduce", full)], 2 * (N - 1)
     elif scheme == "sp":
         fwd = [("all_gather", full), ("reduce_scatter", full)]
         bwd, msgs = [("all_gather", full), ("reduce_scatter", full)], 2 * (N - 1)
     elif scheme == "ulysses":
-        fwd = [("all_to_all_single", 3 * shard), ("all_to_all_single", shard)]
+        fwd = [("all_to_all_single", shard + 2 * kv), ("all_to_all_single", shard)]
         bwd, msgs = list(reversed(fwd)), 2 * (N - 1)
     else:
-        fwd = [("isend", 2 * shard)] * (N - 1)
-        bwd, msgs = [("isend", 2 * shard)] * (2 * N - 1), N - 1
+        fwd = [("isend", 2 * kv)] * (N - 1)
+        bwd, msgs = [("isend", 2 * kv)] * (2 * N - 1), N - 1
     wire = sum(n if kind == "isend" else ring_bytes(kind, n, N) for kind, n in fwd + bwd)
     return dict(forward=fwd, backward=bwd, wire=wire, messages=msgs)
 

@@ -24,7 +24,7 @@ from parlearn.multi_device.context_parallel.ring import ring_attention
 from parlearn.multi_device.context_parallel.ulysses import ulysses_attention
 
 __all__ = ["SCHEMES", "saved_bytes", "attention_inputs", "attention_worker", "attention_check",
-           "torch_cp_worker"]
+           "layout_timing_worker", "layout_timing", "torch_cp_worker"]
 
 SCHEMES = ("ring", "ulysses")
 
@@ -122,6 +122,49 @@ def attention_check(scheme: str, world_size: int, seq: int, *, batch: int = 1, h
     errors = {name: max(float((r[name] - want[name][..., r["idx"], :]).abs().max())
                         for r in ranks) for name in want}
     return {**errors, "ranks": ranks, "saved_full": saved}
+
+
+def layout_timing_worker(rank: int, world_size: int, seq: int, heads: int, head_dim: int,
+                         repeat: int) -> dict:
+    """Worker: causal ring attention's forward, ``repeat`` rounds, each round running every
+    layout of :data:`LAYOUTS` once in turn (interleaved, so a slow spell of the machine
+    falls on both layouts alike). Returns ``{layout: [forward compute seconds per
+    round]}`` for this rank, from the ring's own timeline."""
+    from parlearn.multi_device.context_parallel.cost import timeline_summary
+
+    world_size = check_int("world_size", world_size, lo=2)
+    rank = check_int("rank", rank, lo=0, hi=world_size - 1)
+    repeat = check_int("repeat", repeat, lo=1)
+    inputs = attention_inputs(seq, 1, heads, head_dim)       # checks the sizes
+    shards = {lay: [t[..., shard_index(seq, world_size, rank, lay), :].contiguous()
+                    for t in inputs[:3]] for lay in LAYOUTS}
+    out: dict = {lay: [] for lay in LAYOUTS}
+    with torch.no_grad():
+        for _ in range(repeat):
+            for lay in LAYOUTS:
+                timeline: list = []
+                ring_attention(*shards[lay], seq=seq, layout=lay, causal=True,
+                               timeline=timeline)
+                out[lay].append(timeline_summary(timeline)["fwd compute"])
+    return out
+
+
+def layout_timing(world_size: int, seq: int, *, heads: int = 4, head_dim: int = 16,
+                  repeat: int = 5, timeout: float = 60) -> dict:
+    """Run :func:`layout_timing_worker` on ``world_size`` ranks: ``{layout: [[seconds per
+    round] per rank]}``, the contiguous and zig-zag forwards timed in one launch,
+    interleaved round by round."""
+    from parlearn.distributed import run
+
+    world_size = check_int("world_size", world_size, lo=2)
+    seq = check_int("seq", seq, lo=2 * world_size)
+    check_int("heads", heads, lo=1)
+    check_int("head_dim", head_dim, lo=1)
+    repeat = check_int("repeat", repeat, lo=1)
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
+    ranks = run(layout_timing_worker, world_size, timeout=timeout,
+                args=(seq, heads, head_dim, repeat))
+    return {lay: [r[lay] for r in ranks] for lay in LAYOUTS}
 
 
 def torch_cp_worker(rank: int, world_size: int, device: str = "cpu") -> float:

@@ -9,6 +9,7 @@ module            what it holds
                   bytes), and Korthikanti et al.'s count for Megatron's block
 ``steps``         bytes per parameter after a real optimizer step, recomputation's memory
                   and time measured, fp16 underflow and the loss scaler
+``diagram``       one pre-norm block drawn, its saved tensors marked from the model
 ``calculator``    :func:`estimate`: per-GPU bytes of Llama-shaped models under ZeRO, TP,
                   PP, CP and recomputation (modeled)
 ================  ========================================================================
@@ -22,6 +23,7 @@ from parlearn.multi_device.memory.activations import (
     korthikanti_terms,
 )
 from parlearn.multi_device.memory.calculator import PRESETS, SCHEDULES, LlamaShape, estimate
+from parlearn.multi_device.memory.diagram import BLOCK_TENSORS, draw_block
 from parlearn.multi_device.memory.measured import (
     Saved,
     SavedLedger,
@@ -34,4 +36,4 @@ from parlearn.multi_device.memory.steps import fp16_underflow, recompute_cost, s
 __all__ = ["PRECISIONS", "activation_terms", "activation_bytes", "korthikanti_terms",
            "korthikanti_bytes", "LlamaShape", "PRESETS", "SCHEDULES", "estimate", "Saved",
            "SavedLedger", "saved_tensors", "peak_memory", "autocast_for", "state_bytes",
-           "recompute_cost", "fp16_underflow"]
+           "recompute_cost", "fp16_underflow", "BLOCK_TENSORS", "draw_block"]
