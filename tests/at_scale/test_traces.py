@@ -83,3 +83,15 @@ def test_worker_refuses_on_every_rank():
 
     assert_refused_on_every_rank(T.dp_step_worker, ("zero",), name="kind")
     assert_refused_on_every_rank(T.dp_step_worker, ("naive", 0), name="steps")
+
+
+def test_timed_worker_times_each_step_and_refuses_bad_calls():
+    from ranks import assert_refused_on_every_rank
+
+    from parlearn import dist
+
+    for profiled in (False, True):
+        times = dist.run(T.dp_timed_worker, 2, args=("naive", 3, profiled, (8, 8, 2)))
+        assert all(len(t) == 3 and min(t) > 0 for t in times)
+    assert_refused_on_every_rank(T.dp_timed_worker, ("naive", 2, 1), name="profiled")
+    assert_refused_on_every_rank(T.dp_timed_worker, ("naive", 0, False), name="steps")

@@ -95,6 +95,13 @@ CASES += [
                                                  last="optimizer"),
          bad={"trace": [3], "first": ["no such label"], "last": ["no such label"]},
          check=lambda r, kw: len(r) == 1),
+    Case(A + "traces.median_breakdown", lambda: dict(trace=_trace(), skip=0),
+         ranges={"skip": (0, 0)}, bad={"trace": [3, {"traceEvents": []}]},
+         check=lambda r, kw: r["steps"] == 1 and abs(r["exposed"] - 0.010) < 1e-12),
+    Case(A + "traces.timeline_events", lambda: dict(trace=_trace(), rank=0, window=(0.0, 0.04)),
+         ranges={"rank": (0, None)}, bad={"trace": [3]},
+         skip={"window": "a pair of seconds; any order of the trace's own times"},
+         check=lambda r, kw: {e[1] for e in r} == {"compute", "comm"}),
     Case(A + "traces.profile_ranks",
          lambda: dict(worker=lambda r, w: r, world_size=1, args=(), out_dir="/tmp/parlearn-x",
                       timeout=30.0),
@@ -109,6 +116,8 @@ test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
 
 COVERED_ELSEWHERE: dict[str, str] = {
     A + "traces.dp_step_worker": "tests/at_scale/test_traces.py::test_worker_refuses_on_every_rank",
+    A + "traces.dp_timed_worker":
+        "tests/at_scale/test_traces.py::test_timed_worker_times_each_step_and_refuses_bad_calls",
 }
 EXEMPT: dict[str, str] = {
     A + "mfu.FlopCount": "the record flop_count() returns; users only read its fields",
