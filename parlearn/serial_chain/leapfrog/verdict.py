@@ -7,6 +7,8 @@ far below the model, the two timelines of :func:`~parlearn.serial_chain.leapfrog
 * the chain steps run longer under leapfrog than in the serial schedule: the helper thread
   took the chain's core (no idle core);
 * the chain worker computed most weight gradients itself: the helper got little core time;
+* the serial schedule's tasks are shorter than a hand-off to a thread (about 100 us):
+  per-task overhead;
 * otherwise the tasks are so short that handing one to another thread costs about as
   much as the task (per-task overhead).
 """
@@ -24,6 +26,7 @@ _EVENTS = "a list of (lane, task, start_s, end_s) from leapfrog.timeline"
 _CLOSE = 0.8        # measured at or above this share of the model: no explanation needed
 _STRETCH = 1.5      # chain steps this much longer under leapfrog: their core was taken
 _OWN = 0.5          # chain worker did more than this share of the weight gradients
+_TINY = 100e-6      # a task shorter than this costs about what handing it to a thread does
 
 
 def _check_events(name: str, events) -> list:
@@ -46,20 +49,22 @@ def _median_chain(events) -> float:
 
 
 def shortfall(serial_events: list, leapfrog_events: list, *, measured: float,
-              modeled: float, cores: int | None = None,
+              modeled: float, workers: int, cores: int | None = None,
               load: float | None = None) -> dict:
     """Explain a measured leapfrog speedup against its ``modeled`` one from the timelines.
 
     Returns ``{"chain_stretch", "chain_worker_share", "lanes", "cores", "load", "short",
-    "verdict"}``: the median chain step under leapfrog over the serial one; the share of
-    weight gradients the chain's own lane computed; the lanes (threads) leapfrog used;
+    "why", "verdict"}``: the median chain step under leapfrog over the serial one; the share of
+    weight gradients the chain's own lane computed; the lanes (of ``workers``) that did work;
     ``cores`` and the 1-minute ``load`` average (default: this machine's); whether
-    ``measured`` is below 0.8 x ``modeled``; and one sentence saying why.
+    ``measured`` is below 0.8 x ``modeled``; the reason in one sentence (``why``) and the
+    same sentence after both numbers (``verdict``).
     """
     serial_events = _check_events("serial_events", serial_events)
     leapfrog_events = _check_events("leapfrog_events", leapfrog_events)
     measured = check_float("measured", measured, lo=0.0, lo_open=True)
     modeled = check_float("modeled", modeled, lo=0.0, lo_open=True)
+    workers = check_int("workers", workers, lo=1)
     cores = (os.cpu_count() or 1) if cores is None else check_int("cores", cores, lo=1)
     if load is None:
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -70,8 +75,9 @@ def shortfall(serial_events: list, leapfrog_events: list, *, measured: float,
     wgrads = [e for e in leapfrog_events if e[1].startswith("wgrad")]
     own = sum(e[0] == chain_lane for e in wgrads) / len(wgrads) if wgrads else 0.0
     lanes = len({e[0] for e in leapfrog_events})
+    task = median(e[3] - e[2] for e in serial_events)
     short = measured < _CLOSE * modeled
-    machine = f"{cores} cores, {lanes} lanes, load average {load:.1f}"
+    machine = f"{cores} cores, {workers} workers, load average {load:.1f}"
     if not short:
         why = (f"close to the model ({measured:.2f}x of {modeled:.2f}x): the second worker "
                f"found a free core ({machine})")
@@ -79,6 +85,10 @@ def shortfall(serial_events: list, leapfrog_events: list, *, measured: float,
         why = (f"no idle core on this machine ({machine}): under leapfrog each chain step took "
                f"{stretch:.1f}x as long as in the serial run, so the helper thread ran on the "
                f"chain's core instead of beside it")
+    elif task < _TINY:
+        why = (f"per-task overhead, not parallelism: a task of the serial schedule takes a "
+               f"median {task * 1e6:.0f} us, about what handing it to another thread costs "
+               f"({machine})")
     elif own > _OWN:
         why = (f"the helper got little core time ({machine}): the chain worker computed "
                f"{own:.0%} of the weight gradients itself")
@@ -87,5 +97,5 @@ def shortfall(serial_events: list, leapfrog_events: list, *, measured: float,
                f"({stretch:.1f}x) and the work was shared, but handing each task to another "
                f"thread cost about as much as the task ({machine})")
     return {"chain_stretch": stretch, "chain_worker_share": own, "lanes": lanes,
-            "cores": cores, "load": load, "short": short,
+            "cores": cores, "load": load, "short": short, "why": why,
             "verdict": f"measured {measured:.2f}x, modeled {modeled:.2f}x: {why}"}
