@@ -1,6 +1,6 @@
 """Leapfrogging backprop: take the weight gradients off the critical path (lesson 20).
 
-Reconstruction. Saraiya, "Leapfrogging for parallelism in deep neural networks"
+Reconstruction. Y. Saraiya, "Leapfrogging for parallelism in deep neural networks"
 (arXiv 1801.04928) could only be read as an abstract ("a savings of 1-1/k of a
 dominant term in backpropagation, where k is the number of threads (or gpus)").
 parlearn implements two readings of it and says so in the lesson.
@@ -18,6 +18,7 @@ module         what it holds
 ``schedules``  the backward schedules ``serial``, ``leapfrog`` (a thread pool, or CUDA
                streams) and ``segments`` (chain splitting); :func:`grad`, :func:`timeline`
 ``cost``       the cost model (work and span per schedule), :func:`deep_mlp`, the bench
+``verdict``    :func:`shortfall`: why a measured speedup falls short of the model
 =============  ===========================================================================
 
 Layers: the schedules work on the *modules* of the flattened ``nn.Sequential`` (a tanh is
@@ -45,6 +46,7 @@ from parlearn.serial_chain.leapfrog.terms import (
     forward,
     weight_grads,
 )
+from parlearn.serial_chain.leapfrog.verdict import shortfall
 
 __all__ = ["MODES", "Tape", "forward", "backward", "grad", "chain_step", "weight_grads",
-           "timeline", "cost_model", "deep_mlp", "WORKER_THREAD_PREFIX"]
+           "timeline", "cost_model", "deep_mlp", "WORKER_THREAD_PREFIX", "shortfall"]

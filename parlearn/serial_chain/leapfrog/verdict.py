@@ -1,0 +1,101 @@
+"""Why a measured leapfrog speedup falls short of its model, read off the two timelines.
+
+The cost model assumes that every worker gets a core of its own. When the measurement comes in
+far below the model, the two timelines of :func:`~parlearn.serial_chain.leapfrog.timeline`
+(serial and leapfrog, same net) say which assumption broke:
+
+* the chain steps run longer under leapfrog than in the serial schedule: the helper thread
+  took the chain's core (no idle core);
+* the chain worker computed most weight gradients itself: the helper got little core time;
+* the serial schedule's tasks are shorter than a hand-off to a thread (about 100 us):
+  per-task overhead;
+* otherwise the tasks are so short that handing one to another thread costs about as
+  much as the task (per-task overhead).
+"""
+
+from __future__ import annotations
+
+import os
+from statistics import median
+
+from parlearn.core.checks import check_float, check_int
+
+__all__ = ["shortfall"]
+
+_EVENTS = "a list of (lane, task, start_s, end_s) from leapfrog.timeline"
+_CLOSE = 0.8        # measured at or above this share of the model: no explanation needed
+_STRETCH = 1.5      # chain steps this much longer under leapfrog: their core was taken
+_OWN = 0.5          # chain worker did more than this share of the weight gradients
+_TINY = 100e-6      # a task shorter than this costs about what handing it to a thread does
+
+
+def _check_events(name: str, events) -> list:
+    if not isinstance(events, list | tuple) or not events:
+        raise ValueError(f"{name} must be {_EVENTS}, got {events!r:.80}")
+    for e in events:
+        if not (isinstance(e, tuple | list) and len(e) == 4 and isinstance(e[0], str)
+                and isinstance(e[1], str) and all(isinstance(t, float | int)
+                                                  and not isinstance(t, bool) for t in e[2:])
+                and e[3] >= e[2]):
+            raise ValueError(f"{name} must be {_EVENTS}; bad entry {e!r:.80}")
+    if not any(e[1].startswith("chain") for e in events):
+        raise ValueError(f"{name} holds no chain step (tasks named 'chain N'): "
+                         f"not a leapfrog.timeline of a net with two or more layers")
+    return list(events)
+
+
+def _median_chain(events) -> float:
+    return median(e[3] - e[2] for e in events if e[1].startswith("chain"))
+
+
+def shortfall(serial_events: list, leapfrog_events: list, *, measured: float,
+              modeled: float, workers: int, cores: int | None = None,
+              load: float | None = None) -> dict:
+    """Explain a measured leapfrog speedup against its ``modeled`` one from the timelines.
+
+    Returns ``{"chain_stretch", "chain_worker_share", "lanes", "cores", "load", "short",
+    "why", "verdict"}``: the median chain step under leapfrog over the serial one; the share of
+    weight gradients the chain's own lane computed; the lanes (of ``workers``) that did work;
+    ``cores`` and the 1-minute ``load`` average (default: this machine's); whether
+    ``measured`` is below 0.8 x ``modeled``; the reason in one sentence (``why``) and the
+    same sentence after both numbers (``verdict``).
+    """
+    serial_events = _check_events("serial_events", serial_events)
+    leapfrog_events = _check_events("leapfrog_events", leapfrog_events)
+    measured = check_float("measured", measured, lo=0.0, lo_open=True)
+    modeled = check_float("modeled", modeled, lo=0.0, lo_open=True)
+    workers = check_int("workers", workers, lo=1)
+    cores = (os.cpu_count() or 1) if cores is None else check_int("cores", cores, lo=1)
+    if load is None:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    else:
+        load = check_float("load", load, lo=0.0)
+    stretch = _median_chain(leapfrog_events) / max(_median_chain(serial_events), 1e-12)
+    chain_lane = next(e[0] for e in leapfrog_events if e[1].startswith("chain"))
+    wgrads = [e for e in leapfrog_events if e[1].startswith("wgrad")]
+    own = sum(e[0] == chain_lane for e in wgrads) / len(wgrads) if wgrads else 0.0
+    lanes = len({e[0] for e in leapfrog_events})
+    task = median(e[3] - e[2] for e in serial_events)
+    short = measured < _CLOSE * modeled
+    machine = f"{cores} cores, {workers} workers, load average {load:.1f}"
+    if not short:
+        why = (f"close to the model ({measured:.2f}x of {modeled:.2f}x): the second worker "
+               f"found a free core ({machine})")
+    elif stretch > _STRETCH:
+        why = (f"no idle core on this machine ({machine}): under leapfrog each chain step took "
+               f"{stretch:.1f}x as long as in the serial run, so the helper thread ran on the "
+               f"chain's core instead of beside it")
+    elif task < _TINY:
+        why = (f"per-task overhead, not parallelism: a task of the serial schedule takes a "
+               f"median {task * 1e6:.0f} us, about what handing it to another thread costs "
+               f"({machine})")
+    elif own > _OWN:
+        why = (f"the helper got little core time ({machine}): the chain worker computed "
+               f"{own:.0%} of the weight gradients itself")
+    else:
+        why = (f"per-task overhead, not parallelism: the chain kept its speed "
+               f"({stretch:.1f}x) and the work was shared, but handing each task to another "
+               f"thread cost about as much as the task ({machine})")
+    return {"chain_stretch": stretch, "chain_worker_share": own, "lanes": lanes,
+            "cores": cores, "load": load, "short": short, "why": why,
+            "verdict": f"measured {measured:.2f}x, modeled {modeled:.2f}x: {why}"}
