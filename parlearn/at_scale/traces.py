@@ -245,16 +245,15 @@ def _dp_steps(rank, world_size, kind, steps, widths, bucket_bytes, seed, times) 
 
 
 def median_breakdown(trace, *, skip: int = 1) -> dict[str, float]:
-    """:func:`breakdown` of each step (:func:`step_windows`) after the first ``skip``
-    (warm-up), each part's median over those steps, and ``"steps"``: how many."""
-    import statistics
-
+    """:func:`breakdown` of the median step (by step time) among the steps
+    (:func:`step_windows`) after the first ``skip`` (warm-up): one real step, so its parts
+    still add up; ``"steps"`` says how many steps it was chosen from."""
     skip = check_int("skip", skip, lo=0)
     windows = step_windows(trace)[skip:]
     if not windows:
         raise ValueError(f"skip={skip} leaves no step to read")
-    parts = [breakdown(trace, window=w) for w in windows]
-    out = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+    parts = sorted((breakdown(trace, window=w) for w in windows), key=lambda p: p["step"])
+    out = dict(parts[(len(parts) - 1) // 2])
     out["steps"] = len(parts)
     return out
 
