@@ -203,6 +203,33 @@ def test_moe_gpt_trains_and_costs_what_the_dense_one_does_plus_the_router():
     assert len(sparse["counts"]) == 3 and sum(sparse["counts"][0][0]) == 4 * 16
 
 
+
+def test_train_moe_runs_on_the_threads_asked_and_gives_the_callers_count_back():
+    """The loop runs on ``threads`` (default 1: many small ops spin at OpenMP barriers when
+    the cores are shared) and the caller's count is restored, also after an error."""
+    cfg = transformer.GPTConfig(vocab_size=transformer.pydoc_corpus().vocab_size, d_model=8,
+                                n_heads=2, n_layers=1, max_seq=8)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+        moe.train_moe(cfg, 2, steps=2, batch=2, eval_every=1,
+                      progress=lambda f, t: seen.append(torch.get_num_threads()))
+        assert seen == [1, 1] and torch.get_num_threads() == 2
+        seen.clear()
+        moe.train_moe(cfg, 2, steps=1, batch=2, eval_every=1, threads=None,
+                      progress=lambda f, t: seen.append(torch.get_num_threads()))
+        assert seen == [2]
+
+        def boom(f, t):
+            raise RuntimeError("stop")
+        with pytest.raises(RuntimeError, match="stop"):
+            moe.train_moe(cfg, 2, steps=1, batch=2, eval_every=1, progress=boom)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 # --- the contract at the edges ------------------------------------------------------------
 
 @pytest.mark.parametrize("routing", ["token", "expert"])
