@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from parlearn.transformer import GPTConfig
 
@@ -174,6 +176,30 @@ def test_planner_terms_move_the_right_way():
     assert full.memory["activations"] < none.memory["activations"]
     tiny_memory = Cluster(_fake_card(memory=1e3), gpus_per_node=8)
     assert not predict(work, p, tiny_memory).fits
+
+
+def test_planner_charges_compute_at_the_sustained_fraction_and_mfu_against_the_card():
+    """Compute is charged at ``efficiency`` times the card's rate (default 0.6 of a preset
+    card's, all of a measured card's); MFU stays against the card's rate, so a plan with
+    no communication (one GPU, one micro-batch) reaches MFU = efficiency exactly."""
+    import dataclasses
+
+    from parlearn.multi_device.mesh.planner import PEAK_EFFICIENCY, Cluster, Plan, TinyGPT, predict
+
+    work, one = TinyGPT(CFG, 8, 16), Plan(1, 1, 1, micro_batch=8)
+    card = _fake_card()
+    full = predict(work, one, Cluster(card, efficiency=1.0))
+    assert full.time["compute"] == full.step_s and math.isclose(full.mfu, 1.0, rel_tol=1e-12)
+    half = predict(work, one, Cluster(card, efficiency=0.5))
+    assert math.isclose(half.time["compute"], 2 * full.time["compute"], rel_tol=1e-12)
+    assert math.isclose(half.mfu, 0.5, rel_tol=1e-12)
+    preset = predict(work, one, Cluster(card))
+    assert PEAK_EFFICIENCY == 0.6 and math.isclose(preset.mfu, 0.6, rel_tol=1e-12)
+    measured = predict(work, one, Cluster(dataclasses.replace(card, measured=True)))
+    assert math.isclose(measured.mfu, 1.0, rel_tol=1e-12)
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="efficiency"):
+            Cluster(card, efficiency=bad)
 
 
 def test_planner_refuses_impossible_plans():
