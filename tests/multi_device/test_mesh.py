@@ -202,6 +202,40 @@ def test_planner_charges_compute_at_the_sustained_fraction_and_mfu_against_the_c
             Cluster(card, efficiency=bad)
 
 
+def test_explorer_keeps_the_fastest_plan_of_each_mesh_and_prices_the_measured_anchor():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from parlearn.card import preset
+    from parlearn.memory import PRESETS
+    from parlearn.mesh import explore
+
+    from parlearn.multi_device.mesh.planner import MEASURED_MFU
+
+    res = explore.best_meshes("llama3-8b", 8, 4096, 50.0, top=3)
+    meshes = [(p.plan.dp, p.plan.tp, p.plan.pp, p.plan.cp) for p in res["ranked"]]
+    assert len(meshes) == len(set(meshes)) == 3
+    assert all(p.fits for p in res["ranked"])
+    steps = [p.step_s for p in res["ranked"]]
+    assert steps == sorted(steps) and res["efficiency"] == 0.6
+    # the band: the step time at the measured MFU is 3F / (MFU x peak x GPUs)
+    m = PRESETS["llama3-8b"]  # 64 sequences of 4096 tokens; 2N + 4 L s h per token
+    flops = 3 * 64 * 4096 * (2 * m.n_params() + 4 * m.layers * 4096 * m.hidden)
+    lo, hi = MEASURED_MFU[0]["mfu"]
+    peak = preset("h100-8x-nvlink").flops["bfloat16"] * 8
+    assert math.isclose(res["anchor_s"][0], flops / (lo * peak), rel_tol=1e-12)
+    assert math.isclose(res["anchor_s"][1], flops / (hi * peak), rel_tol=1e-12)
+    faster = explore.best_meshes("llama3-8b", 8, 4096, 50.0, efficiency=1.0, top=3)
+    assert faster["ranked"][0].mfu > res["ranked"][0].mfu
+    fig, axes = plt.subplots(1, 3)
+    explore.plot_best(res, axes)
+    assert len(axes[0].patches) >= 3 * 6 and len(axes[1].patches) >= 3
+    plt.close(fig)
+    with pytest.raises(ValueError, match="axes"):
+        explore.plot_best(res, [None])
+
+
 def test_planner_refuses_impossible_plans():
     from parlearn.multi_device.mesh.planner import Cluster, LlamaWorkload, Plan, TinyGPT, predict
 
