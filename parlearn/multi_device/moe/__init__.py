@@ -6,7 +6,8 @@ module         what it holds
 ``router``     token-choice top-k with capacity, expert choice, balance loss, z-loss
 ``layer``      :class:`MoE` and its reference loop over experts, :func:`moe_gpt`
 ``parallel``   expert parallelism: all-to-all dispatch and combine on real ranks, EP x DP
-``cost``       all-to-all bytes, imbalance, what the capacity factor trades (modeled)
+``cost``       all-to-all bytes, imbalance, the capacity trade, EP against replicated
+               experts (modeled)
 ``train``      training an MoE-GPT beside the dense GPT at equal compute per token
 ``workers``    EP against the single-process MoE on real ranks: one layer, training
 =============  ==========================================================================
