@@ -351,8 +351,10 @@ _NCCL212 = ("NVIDIA/nccl-tests issue #212, S. Jeaugey (NVIDIA), 2024-05-06: "
 _ANCHORS = (
     {"what": "H100 SXM dense bf16/fp16 tensor-core matmul", "value": 989e12,
      "unit": "FLOP/s", "convention": "peak, dense (1979 is with 2:4 sparsity)", "source": _H100},
-    {"what": "H100 SXM fp32 (no TF32) and fp64 tensor-core matmul", "value": 67e12,
-     "unit": "FLOP/s", "convention": "peak", "source": _H100},
+    {"what": "H100 SXM fp32 matmul without TF32 (CUDA cores, not tensor cores)",
+     "value": 67e12, "unit": "FLOP/s", "convention": "peak", "source": _H100},
+    {"what": "H100 SXM fp64 tensor-core matmul", "value": 67e12, "unit": "FLOP/s",
+     "convention": "peak (fp64 on CUDA cores: 34)", "source": _H100},
     {"what": "H100 SXM HBM3 bandwidth (80 GB)", "value": 3.35e12, "unit": "B/s",
      "convention": "peak", "source": _H100},
     {"what": "NVLink 4 per H100 (18 links)", "value": 900e9, "unit": "B/s",
@@ -382,8 +384,9 @@ def anchors() -> list[dict]:
 def _h100_8x_nvlink() -> Card:
     """One HGX/DGX H100 node: 8 H100 SXM5 on NVSwitch (NVLink 4).
 
-    Compute, HBM: the datasheet's peaks (989 TFLOP/s bf16/fp16 dense; 67 TFLOP/s fp32
-    without TF32, torch's matmul default, and fp64 tensor core; 3.35 TB/s; 80 GB), not
+    Compute, HBM: the datasheet's peaks (989 TFLOP/s bf16/fp16 dense on tensor cores;
+    67 TFLOP/s fp32 on CUDA cores, without TF32, torch's matmul default; 67 TFLOP/s fp64
+    on tensor cores; 3.35 TB/s; 80 GB), not
     sustained rates: a measured matmul reaches less. Links: beta = 1/busbw from nccl-tests
     #212 (all_reduce 480 GB/s with NVLS; the other collectives and p2p 370 GB/s, NCCL's
     effective NVLink rate). Alphas are ASSUMPTIONS, not measurements: 1 us per ring step
@@ -403,7 +406,8 @@ def _h100_ib() -> Card:
     that crosses the network (16 GPUs = 2 nodes of 8).
 
     Compute, HBM: the H100 SXM datasheet's peaks, as in ``h100-8x-nvlink`` (989 TFLOP/s
-    bf16/fp16 dense, 67 TFLOP/s fp32 and fp64, 3.35 TB/s, 80 GB), not sustained. Links:
+    bf16/fp16 dense, 67 TFLOP/s fp32 (CUDA cores) and fp64 (tensor cores), 3.35 TB/s,
+    80 GB), not sustained. Links:
     beta = 1/50 GB/s, the 400 Gb/s line rate in each direction: an UPPER bound (NCCL
     loses protocol overhead, ~20% on NVLink per nccl-tests #212), and hierarchical or
     SHARP algorithms, which this flat ring ignores, beat it. Alphas are ASSUMPTIONS: 5 us

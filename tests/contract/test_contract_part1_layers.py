@@ -174,6 +174,10 @@ def _moe_model():
     return layer
 
 
+
+def _close(a, b):
+    assert math.isclose(a, b, rel_tol=1e-12), (a, b)
+
 CASES = [
     # pipeline: schedules, the zoo, formulas
     Case(PL + "schedules.schedule", lambda: dict(kind="1f1b", stages=2, micro_batches=3),
@@ -361,11 +365,22 @@ CASES = [
          == sum(kw["wanted"])),
     Case(MOE + "cost.ep_pays", lambda: dict(tokens=10, d_model=8, d_ff=16, k=2, ep=4,
                                             alpha=1e-5, beta=1e-9, flops_per_s=1e12,
-                                            element_bytes=4),
+                                            element_bytes=4, matrices=3),
          ranges={"tokens": (0, None), "d_model": (1, None), "d_ff": (1, None),
                  "k": (1, None), "ep": (1, None), "alpha": (0.0, None), "beta": (0.0, None),
-                 "element_bytes": (1, None)},
-         bad={"flops_per_s": [0.0, -1.0]}),
+                 "element_bytes": (1, None), "matrices": (2, 3)},
+         bad={"flops_per_s": [0.0, -1.0]},
+         check=lambda r, kw: _close(r["compute"], 2 * kw["tokens"] * kw["k"] * kw["matrices"]
+                                    * kw["d_model"] * kw["d_ff"] / kw["flops_per_s"])),
+    Case(MOE + "cost.ep_vs_replicated",
+         lambda: dict(tokens=10, d_model=8, d_ff=16, n_experts=4, k=2, ep=2, matrices=3,
+                      element_bytes=2, state_bytes=16),
+         ranges={"tokens": (0, None), "d_model": (1, None), "d_ff": (1, None),
+                 "k": (1, 4), "ep": (1, 2), "matrices": (2, 3),
+                 "element_bytes": (1, None), "state_bytes": (1, None)},
+         bad={"ep": [3, 5], "k": [5], "n_experts": [0, 3]},
+         check=lambda r, kw: _close(r["replicated"]["memory"],
+                                    kw["ep"] * r["ep"]["memory"])),
     Case(MOE + "layer.MoE", lambda: dict(d_model=4, d_ff=8, n_experts=4, k=1,
                                          capacity_factor=1.25, routing="token", groups=1,
                                          seed=0, out_std=0.02),
@@ -608,12 +623,13 @@ CASES = [
     Case(MOE + "train.train_moe",
          lambda: dict(cfg=_gpt_cfg(), n_experts=4, k=1, balance=0.01, z=0.0,
                       capacity_factor=None, steps=1, batch=2, lr=1e-3, corpus=None,
-                      eval_every=1, seed=0, progress=None),
+                      eval_every=1, seed=0, progress=None, threads=1),
          bad={"cfg": [{"d_model": 8}, 3], "n_experts": [-1], "k": [0, 5], "balance": [-1.0],
               "z": [-1.0], "capacity_factor": [0.0, -1.0], "steps": [0], "batch": [0],
               "lr": [0.0, -1.0], "corpus": ["text", 3], "eval_every": [0], "seed": [-1],
-              "progress": [3, "print"]},
-         legal={"capacity_factor": [None], "corpus": [None], "progress": [None]},
+              "progress": [3, "print"], "threads": [0, -1, 1.5]},
+         legal={"capacity_factor": [None], "corpus": [None], "progress": [None, True, False],
+                "threads": [None]},
          run_good=False),
     Case(TP + "plan_hlo.hlo_collectives",
          lambda: dict(plans=[["batch", "column"]], batch=4, widths=[4, 6, 2], devices=2,

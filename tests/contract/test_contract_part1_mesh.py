@@ -57,6 +57,21 @@ def _fields_kept(result, kw):
 
 NOT_A_CFG = ["a config", 3]
 
+
+def _axes3():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return list(plt.subplots(1, 3)[1])
+
+
+def _best():
+    from parlearn.multi_device.mesh.explore import best_meshes
+
+    return best_meshes("llama3-8b", 8, 4096, 50.0, top=2)
+
 CASES: list[Case] = [
     Case(P + "mesh.composed.assemble", lambda: dict(results=_results(), shape=_mesh(1, 2, 1)),
          bad={"results": [_results()[:1], "ranks", [{"params": {}}, "rank 1"], [{}, {}]],
@@ -81,6 +96,20 @@ CASES: list[Case] = [
                  "steps": (2, None)},
          bad={"cfg": NOT_A_CFG, "card": ["h100", 3], "timeout": [0.0, -1.0]},
          run_good=False),   # starts rank processes
+    Case(P + "mesh.explore.best_meshes",
+         lambda: dict(model="llama3-8b", gpus=8, seq=4096, inter_gbs=50.0, efficiency=0.6,
+                      top=2),
+         ranges={"top": (1, None)}, legal={"efficiency": [None]},
+         bad={"model": ["gpt", 3], "gpus": [0, -8], "seq": [0], "inter_gbs": [0.0, -1.0],
+              "efficiency": [0.0, 1.5]},
+         check=lambda r, kw: len(r["ranked"]) <= kw["top"]),
+    Case(P + "mesh.explore.plot_best", lambda: dict(res=_best(), axes=_axes3()),
+         bad={"res": ["plans", {}], "axes": [[None]]}, skip={"axes": "matplotlib axes"}),
+    Case(P + "mesh.explore.explorer",
+         lambda: dict(model="llama3-8b", gpus=8, seq=4096, inter_gbs=50.0, efficiency=0.6),
+         ranges={"inter_gbs": (5.0, 100.0), "efficiency": (0.3, 1.0)},
+         bad={"model": ["llama3-405b", 3], "gpus": [7, 0], "seq": [1000]},
+         run_good=False),   # builds widgets
     # Bench rows run rank processes (run_good=False); device is checked, then unused.
     Case(P + "sharding.training.bench", lambda: dict(device=torch.device("cpu"), quick=True),
          run_good=False),

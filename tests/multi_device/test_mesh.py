@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from parlearn.transformer import GPTConfig
 
@@ -174,6 +176,64 @@ def test_planner_terms_move_the_right_way():
     assert full.memory["activations"] < none.memory["activations"]
     tiny_memory = Cluster(_fake_card(memory=1e3), gpus_per_node=8)
     assert not predict(work, p, tiny_memory).fits
+
+
+def test_planner_charges_compute_at_the_sustained_fraction_and_mfu_against_the_card():
+    """Compute is charged at ``efficiency`` times the card's rate (default 0.6 of a preset
+    card's, all of a measured card's); MFU stays against the card's rate, so a plan with
+    no communication (one GPU, one micro-batch) reaches MFU = efficiency exactly."""
+    import dataclasses
+
+    from parlearn.multi_device.mesh.planner import PEAK_EFFICIENCY, Cluster, Plan, TinyGPT, predict
+
+    work, one = TinyGPT(CFG, 8, 16), Plan(1, 1, 1, micro_batch=8)
+    card = _fake_card()
+    full = predict(work, one, Cluster(card, efficiency=1.0))
+    assert full.time["compute"] == full.step_s and math.isclose(full.mfu, 1.0, rel_tol=1e-12)
+    half = predict(work, one, Cluster(card, efficiency=0.5))
+    assert math.isclose(half.time["compute"], 2 * full.time["compute"], rel_tol=1e-12)
+    assert math.isclose(half.mfu, 0.5, rel_tol=1e-12)
+    preset = predict(work, one, Cluster(card))
+    assert PEAK_EFFICIENCY == 0.6 and math.isclose(preset.mfu, 0.6, rel_tol=1e-12)
+    measured = predict(work, one, Cluster(dataclasses.replace(card, measured=True)))
+    assert math.isclose(measured.mfu, 1.0, rel_tol=1e-12)
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="efficiency"):
+            Cluster(card, efficiency=bad)
+
+
+def test_explorer_keeps_the_fastest_plan_of_each_mesh_and_prices_the_measured_anchor():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from parlearn.card import preset
+    from parlearn.memory import PRESETS
+    from parlearn.mesh import explore
+
+    from parlearn.multi_device.mesh.planner import MEASURED_MFU
+
+    res = explore.best_meshes("llama3-8b", 8, 4096, 50.0, top=3)
+    meshes = [(p.plan.dp, p.plan.tp, p.plan.pp, p.plan.cp) for p in res["ranked"]]
+    assert len(meshes) == len(set(meshes)) == 3
+    assert all(p.fits for p in res["ranked"])
+    steps = [p.step_s for p in res["ranked"]]
+    assert steps == sorted(steps) and res["efficiency"] == 0.6
+    # the band: the step time at the measured MFU is 3F / (MFU x peak x GPUs)
+    m = PRESETS["llama3-8b"]  # 64 sequences of 4096 tokens; 2N + 4 L s h per token
+    flops = 3 * 64 * 4096 * (2 * m.n_params() + 4 * m.layers * 4096 * m.hidden)
+    lo, hi = MEASURED_MFU[0]["mfu"]
+    peak = preset("h100-8x-nvlink").flops["bfloat16"] * 8
+    assert math.isclose(res["anchor_s"][0], flops / (lo * peak), rel_tol=1e-12)
+    assert math.isclose(res["anchor_s"][1], flops / (hi * peak), rel_tol=1e-12)
+    faster = explore.best_meshes("llama3-8b", 8, 4096, 50.0, efficiency=1.0, top=3)
+    assert faster["ranked"][0].mfu > res["ranked"][0].mfu
+    fig, axes = plt.subplots(1, 3)
+    explore.plot_best(res, axes)
+    assert len(axes[0].patches) >= 3 * 6 and len(axes[1].patches) >= 3
+    plt.close(fig)
+    with pytest.raises(ValueError, match="axes"):
+        explore.plot_best(res, [None])
 
 
 def test_planner_refuses_impossible_plans():

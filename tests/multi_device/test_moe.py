@@ -192,6 +192,25 @@ def test_cost_model():
     assert moe.capacity_trade([6, 2, 0, 4], None)["rows"] == 6
 
 
+def test_ep_against_replicated_experts_by_hand():
+    """3 matrices of 8 x 16 per expert (384 parameters), 4 experts on 2 ranks, 10 tokens,
+    k = 2, bf16 on the wire, 16 B of state per parameter."""
+    got = moe.ep_vs_replicated(10, 8, 16, 4, 2, 2, matrices=3, element_bytes=2,
+                               state_bytes=16)
+    assert got["ep"] == {"memory": 2 * 384 * 16, "bytes": 4 * 10 * 2 * 8 * 2 / 2,
+                         "flops": 6 * 10 * 2 * 384}
+    assert got["replicated"] == {"memory": 4 * 384 * 16, "bytes": 2 / 2 * 4 * 384 * 2,
+                                 "flops": 6 * 10 * 2 * 384}
+    with pytest.raises(ValueError, match="ep"):
+        moe.ep_vs_replicated(10, 8, 16, 4, 2, 3)
+    # SwiGLU costs 3/2 of GELU's FLOPs; the all-to-all is the same
+    gelu = moe.ep_pays(10, 8, 16, 2, 4, 1e-5, 1e-9, 1e12)
+    swiglu = moe.ep_pays(10, 8, 16, 2, 4, 1e-5, 1e-9, 1e12, matrices=3)
+    assert math.isclose(swiglu["compute"], 2 * 10 * 2 * 3 * 8 * 16 / 1e12, rel_tol=1e-12)
+    assert math.isclose(swiglu["compute"], 1.5 * gelu["compute"], rel_tol=1e-12)
+    assert swiglu["all_to_all"] == gelu["all_to_all"]
+
+
 def test_moe_gpt_trains_and_costs_what_the_dense_one_does_plus_the_router():
     cfg = transformer.GPTConfig(vocab_size=transformer.pydoc_corpus().vocab_size, d_model=16,
                                 n_heads=2, n_layers=1, max_seq=16)
@@ -201,6 +220,33 @@ def test_moe_gpt_trains_and_costs_what_the_dense_one_does_plus_the_router():
     mlp = transformer.count_params(cfg)["mlp"]
     assert sparse["params"] - dense["params"] == 3 * mlp + 16 * 4
     assert len(sparse["counts"]) == 3 and sum(sparse["counts"][0][0]) == 4 * 16
+
+
+
+def test_train_moe_runs_on_the_threads_asked_and_gives_the_callers_count_back():
+    """The loop runs on ``threads`` (default 1: many small ops spin at OpenMP barriers when
+    the cores are shared) and the caller's count is restored, also after an error."""
+    cfg = transformer.GPTConfig(vocab_size=transformer.pydoc_corpus().vocab_size, d_model=8,
+                                n_heads=2, n_layers=1, max_seq=8)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+        moe.train_moe(cfg, 2, steps=2, batch=2, eval_every=1,
+                      progress=lambda f, t: seen.append(torch.get_num_threads()))
+        assert seen == [1, 1] and torch.get_num_threads() == 2
+        seen.clear()
+        moe.train_moe(cfg, 2, steps=1, batch=2, eval_every=1, threads=None,
+                      progress=lambda f, t: seen.append(torch.get_num_threads()))
+        assert seen == [2]
+
+        def boom(f, t):
+            raise RuntimeError("stop")
+        with pytest.raises(RuntimeError, match="stop"):
+            moe.train_moe(cfg, 2, steps=1, batch=2, eval_every=1, progress=boom)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 # --- the contract at the edges ------------------------------------------------------------

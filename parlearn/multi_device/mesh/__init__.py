@@ -12,6 +12,8 @@ module              what it holds
                     memory and step time on a cluster of hardware cards, the ranking
 ``grading``         the planner's picks run for real on this machine: Kendall tau, memory
                     error
+``explore``         the planner's explorer: the best meshes' modeled time, MFU and memory
+                    beside a measured run's MFU
 ==================  ======================================================================
 
 The hardware card the planner reads is :mod:`parlearn.card` (``parlearn.distributed.card``).

@@ -9,8 +9,9 @@ nodes). Every term is a formula, labelled modeled:
 - **compute**: ``3 F`` per step for forward and backward, ``F`` the forward FLOPs of the
   global batch (``2 N + 4 L s h`` per token), plus what recomputation repeats (full: ``F``;
   selective: the attention core's ``4 L s h`` per token), split evenly over the GPUs, at
-  the card's matmul rate for the workload's dtype (a preset card's rate is the datasheet
-  PEAK, so modeled MFU is an upper bound: compare it with :data:`MEASURED_MFU`);
+  the card's matmul rate for the workload's dtype times the cluster's ``efficiency``, the
+  fraction of that rate a training step's kernels sustain (default: 0.6 of a preset
+  card's datasheet PEAK, 1 for a measured card, whose rate is already sustained);
 - **pipeline bubble**: the 1F1B makespan stretches each stage's work by ``(M + P - 1) / M``
   for ``M`` micro-batches (:func:`parlearn.pipeline.bubble_formula`, which the simulator
   reproduces for equal stages);
@@ -27,7 +28,9 @@ communication is not overlapped with compute (the model is pessimistic where a r
 framework overlaps DP's reduce-scatter with backward), and a group uses the inter-node
 links as soon as it spans nodes, and so does every hop of a CP ring or a PP chain whose
 members span nodes, its slowest hop setting the pace (ranks are numbered tp fastest, then
-cp, dp, pp). Memory
+cp, dp, pp). MFU is ``3 F`` over the step time and the GPUs' datasheet rate (not the
+achievable one), the same units as the measured MFU of :data:`MEASURED_MFU`: with no
+communication it equals ``efficiency``. Memory
 comes from :func:`parlearn.memory.estimate` (Llama shapes) or from the exact count of what
 :mod:`parlearn.mesh.composed` keeps (the tiny GPT, :class:`TinyGPT`).
 """
@@ -45,9 +48,17 @@ from parlearn.multi_device.transformer.model import GPTConfig, count_params
 from parlearn.multi_device.transformer.train import flops_per_token
 
 __all__ = ["Plan", "Cluster", "Prediction", "LlamaWorkload", "TinyGPT", "plans", "predict",
-           "rank_plans", "MEASURED_MFU"]
+           "rank_plans", "MEASURED_MFU", "PEAK_EFFICIENCY"]
 
 RECOMPUTE = ("none", "selective", "full")
+
+# The fraction of a datasheet peak a training step's kernels are assumed to sustain when
+# the card is a preset (Card.measured False). An ASSUMPTION, not a measurement: a step's
+# large matmuls run below peak and its attention, norms and small kernels further below;
+# the whole-run MFU of MEASURED_MFU (0.38-0.52) also pays for communication and bubbles,
+# so the compute alone must run above it. Set Cluster(efficiency=) from a measured large
+# matmul where you have one.
+PEAK_EFFICIENCY = 0.6
 
 # Published measured MFU of real runs, as anchors to print beside modeled picks (not inputs).
 MEASURED_MFU = [
@@ -92,12 +103,15 @@ class Cluster:
     ``inter`` the links between nodes (None: one node, and a plan on more than
     ``gpus_per_node`` GPUs is refused); ``gpus_per_node`` how many devices share the node's
     links; ``share`` the compute each rank gets, as a fraction in (0, 1] of one device (CPU
-    ranks outnumbering the cores)."""
+    ranks outnumbering the cores); ``efficiency`` the fraction in (0, 1] of the card's
+    FLOP/s a training step sustains (None: :data:`PEAK_EFFICIENCY` = 0.6 for a card of
+    datasheet peaks, ``card.measured`` False; 1 for a measured card)."""
 
     card: object
     gpus_per_node: int = 8
     inter: object | None = None
     share: float = 1.0
+    efficiency: float | None = None
 
     def __post_init__(self) -> None:
         for attr in ("comm_time", "compute_time", "flops", "memory"):
@@ -109,6 +123,16 @@ class Cluster:
                             f"{type(self.inter).__name__}")
         check_int("gpus_per_node", self.gpus_per_node, lo=1)
         check_float("share", self.share, lo=0, hi=1, lo_open=True)
+        if self.efficiency is not None:
+            check_float("efficiency", self.efficiency, lo=0, hi=1, lo_open=True)
+
+    @property
+    def sustained(self) -> float:
+        """The fraction of the card's FLOP/s the model charges compute at (``efficiency``,
+        or its default)."""
+        if self.efficiency is not None:
+            return self.efficiency
+        return 1.0 if getattr(self.card, "measured", False) else PEAK_EFFICIENCY
 
     def link(self, kind: str, nbytes: float, group: int, span: int, *,
              extent: int | None = None) -> float:
@@ -366,7 +390,8 @@ def plans(workload, gpus: int, *, zero=(0, 1, 2, 3), recompute=RECOMPUTE, cp: bo
 
 def predict(workload, plan: Plan, cluster: Cluster) -> Prediction:
     """Modeled memory and step time of ``plan`` (module docstring), and its MFU: model
-    FLOPs ``3 F`` (recomputation not counted) over the step time and the GPUs' rate."""
+    FLOPs ``3 F`` (recomputation not counted) over the step time and the GPUs' card rate
+    (the datasheet's for a preset card, not the ``efficiency`` fraction of it)."""
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a Plan, got {type(plan).__name__}")
     _check_workload(workload)
@@ -383,7 +408,8 @@ def predict(workload, plan: Plan, cluster: Cluster) -> Prediction:
     M = workload.batch // (plan.dp * plan.micro_batch)
     fwd = workload.forward_flops()
     extra = {"none": 0.0, "selective": workload.attention_flops(), "full": fwd}[plan.recompute]
-    compute = card.compute_time((3 * fwd + extra) / plan.gpus, workload.dtype) / cluster.share
+    compute = card.compute_time((3 * fwd + extra) / plan.gpus, workload.dtype) / (
+        cluster.share * cluster.sustained)
     act = plan.micro_batch * workload.seq / plan.cp * workload.hidden * e
     per_layer = 2 * (cluster.link("all_gather", act, plan.tp, 1)
                      + cluster.link("reduce_scatter", act, plan.tp, 1))

@@ -5,16 +5,27 @@ same matmul FLOPs as the dense model plus the router's ``2 h E`` per layer (coun
 ``flops_per_token``), while the MLP parameters are ``E`` times as many. The loop is
 :func:`parlearn.transformer.train`'s (AdamW, warm-up then cosine, clipping at 1) with the
 auxiliary losses added, and it records the tokens each expert got at every step.
+
+Threads: the MoE step is many small ops (a gather, a matmul and a scatter per expert).
+Each multi-threaded op ends at an OpenMP barrier where a thread that finishes first
+spins, waiting for the others; when other programs share the cores and deschedule one
+thread, the rest spin through their time slices. On 2 shared cores with two busy programs
+beside it, a step with torch's default 2 threads measured 18x slower than with one thread
+(one thread: 3x slower than on quiet cores, the share of the cores it gets). So
+:func:`train_moe` runs on one thread by default and gives the caller's count back after.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
 import torch
+from tqdm.auto import tqdm
 
 from parlearn.core.checks import check_callable, check_float, check_int
+from parlearn.core.device import threads as device_threads
 from parlearn.multi_device.moe.cost import imbalance
 from parlearn.multi_device.moe.layer import aux_loss, moe_gpt, moe_layers
 from parlearn.multi_device.transformer.corpus import CharCorpus, get_batch, pydoc_corpus
@@ -28,12 +39,18 @@ def train_moe(cfg: GPTConfig, n_experts: int = 0, k: int = 1, *, balance: float 
               z: float = 0.0, capacity_factor: float | None = None, steps: int = 200,
               batch: int = 16, lr: float = 3e-3, corpus: CharCorpus | None = None,
               eval_every: int = 50, seed: int = 0,
-              progress: Callable[[float, str], None] | None = None) -> dict:
+              progress: bool | Callable[[float, str], None] | None = None,
+              threads: int | None = 1) -> dict:
     """Train the dense :class:`GPT` (``n_experts=0``) or :func:`moe_gpt` on ``corpus``
     (default :func:`pydoc_corpus`) with loss ``cross-entropy + aux_loss(balance, z)``.
     Returns ``{"model", "steps", "train_loss", "eval_steps", "val_loss", "counts"
     (per step, per layer, tokens per expert after capacity), "imbalance" (per step, the
-    mean over layers of max/mean), "dropped" (per step), "params", "flops_per_token"}``."""
+    mean over layers of max/mean), "dropped" (per step), "params", "flops_per_token"}``.
+
+    ``progress``: a tqdm bar (True), none (None or False) or ``progress(fraction, text)``
+    called at each evaluation. ``threads``: torch intra-op threads for the run (default 1,
+    see the module docstring; None: the caller's count), the caller's count restored
+    afterwards."""
     if not isinstance(cfg, GPTConfig):
         raise TypeError(f"cfg must be a GPTConfig, got {type(cfg).__name__}")
     n_experts = check_int("n_experts", n_experts, lo=0)
@@ -46,11 +63,21 @@ def train_moe(cfg: GPTConfig, n_experts: int = 0, k: int = 1, *, balance: float 
     lr = check_float("lr", lr, lo=0, lo_open=True)
     eval_every = check_int("eval_every", eval_every, lo=1)
     seed = check_int("seed", seed, lo=0)
-    if progress is not None:
+    if progress is not None and not isinstance(progress, bool):
         check_callable("progress", progress)
+    if threads is not None:
+        check_int("threads", threads, lo=1)
     if corpus is not None and not isinstance(corpus, CharCorpus):
         raise TypeError(f"corpus must be a CharCorpus or None, got {type(corpus).__name__}")
     corpus = pydoc_corpus() if corpus is None else corpus
+    with contextlib.nullcontext() if threads is None else device_threads(threads):
+        return _train(cfg, n_experts, k, balance, z, capacity_factor, steps, batch, lr,
+                      corpus, eval_every, seed, progress)
+
+
+def _train(cfg, n_experts, k, balance, z, capacity_factor, steps, batch, lr, corpus,
+           eval_every, seed, progress) -> dict:
+    """The loop of :func:`train_moe`, its arguments already checked."""
     model = GPT(cfg) if n_experts == 0 else moe_gpt(cfg, n_experts, k,
                                                     capacity_factor=capacity_factor)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -60,7 +87,9 @@ def train_moe(cfg: GPTConfig, n_experts: int = 0, k: int = 1, *, balance: float 
     g = torch.Generator().manual_seed(seed)
     out: dict = {"steps": [], "train_loss": [], "eval_steps": [], "val_loss": [],
                  "counts": [], "imbalance": [], "dropped": []}
-    for step in range(steps):
+    bar = tqdm(range(steps), desc=f"training {'MoE' if n_experts else 'dense'} GPT",
+               disable=progress is not True, leave=False)
+    for step in bar:
         x, y = get_batch(corpus.train, batch, cfg.max_seq, g)
         _, loss = model(x, y)
         if n_experts:
@@ -80,9 +109,11 @@ def train_moe(cfg: GPTConfig, n_experts: int = 0, k: int = 1, *, balance: float 
         if (step + 1) % eval_every == 0 or step == steps - 1:
             out["eval_steps"].append(step + 1)
             out["val_loss"].append(evaluate(model, corpus.val, batch=batch, batches=4))
-            if progress is not None:
-                progress((step + 1) / steps, f"step {step + 1}/{steps}, "
-                         f"val loss {out['val_loss'][-1]:.3f}")
+            text = f"step {step + 1}/{steps}, val loss {out['val_loss'][-1]:.3f}"
+            if callable(progress):
+                progress((step + 1) / steps, text)
+            elif progress is True:
+                bar.set_postfix_str(text, refresh=False)
     out["model"] = model.eval()
     out["params"] = sum(p.numel() for p in model.parameters())
     out["flops_per_token"] = flops_per_token(cfg, cfg.max_seq) + (
