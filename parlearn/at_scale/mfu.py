@@ -116,9 +116,7 @@ class FlopCount:
 def matmul_params(shape: LlamaShape | str) -> int:
     """Parameters that multiply activations: q, k, v, o, the SwiGLU MLP's three matrices per
     layer, and the output layer (tied or not). Not the input embedding, not the norms."""
-    m = _shape(shape)
-    h, kd = m.hidden, m.kv_heads * m.head_dim
-    return m.layers * (2 * h * h + 2 * h * kd + 3 * h * m.ffn) + m.vocab * h
+    return _shape(shape).matmul_params()
 
 
 def flop_count(shape: LlamaShape | str, seq: int, *, attention: str = "causal",

@@ -163,3 +163,19 @@ def test_an_unknown_device_given_another_cards_peak_is_named():
 def test_an_unrecognised_numerator_is_reported_with_its_ratio():
     found = _audit(lambda r: 1.5 * r.model)
     assert found[0].message.startswith("unrecognised") and found[0].factor == pytest.approx(1.5)
+
+
+def test_the_planners_flops_pass_the_audit():
+    """The planner's model FLOPs for Llama 3 8B are this module's count in PaLM's
+    convention: no embedding, no norms (it used to count every parameter)."""
+    from parlearn.multi_device.mesh.planner import LlamaWorkload
+
+    work = LlamaWorkload("llama3-8b", batch=64, seq=4096)
+    per_token = 3 * work.forward_flops() / (64 * 4096)
+    assert M.audit(flops_per_token=per_token, peak_per_device=989e12, shape="llama3-8b",
+                   seq=4096, device="H100 SXM", dtype="bfloat16", attention="full") == []
+    old = per_token + 6 * (SHAPE.n_params() - SHAPE.matmul_params())
+    found = M.audit(flops_per_token=old, peak_per_device=989e12, shape="llama3-8b", seq=4096,
+                    device="H100 SXM", dtype="bfloat16", attention="full")
+    assert [f.message.split(":")[0] for f in found] == ["all parameters in 6N"]
+    assert found[0].factor == pytest.approx(1.061, abs=1e-3)   # MFU 6.1% too high

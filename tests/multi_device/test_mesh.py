@@ -221,7 +221,7 @@ def test_explorer_keeps_the_fastest_plan_of_each_mesh_and_prices_the_measured_an
     assert steps == sorted(steps) and res["efficiency"] == 0.6
     # the band: the step time at the measured MFU is 3F / (MFU x peak x GPUs)
     m = PRESETS["llama3-8b"]  # 64 sequences of 4096 tokens; 2N + 4 L s h per token
-    flops = 3 * 64 * 4096 * (2 * m.n_params() + 4 * m.layers * 4096 * m.hidden)
+    flops = 3 * 64 * 4096 * (2 * m.matmul_params() + 4 * m.layers * 4096 * m.hidden)
     lo, hi = MEASURED_MFU[0]["mfu"]
     peak = preset("h100-8x-nvlink").flops["bfloat16"] * 8
     assert math.isclose(res["anchor_s"][0], flops / (lo * peak), rel_tol=1e-12)

@@ -73,6 +73,13 @@ class LlamaShape:
         emb = self.vocab * self.hidden
         return self.layers * self.block_params() + emb * (1 if self.tied else 2) + self.hidden
 
+    def matmul_params(self) -> int:
+        """The parameters that multiply activations (``6 N`` counts these): q, k, v, o and
+        the SwiGLU MLP's three matrices per layer, and the output layer (tied or not). Not
+        the input embedding (a lookup) nor the norms (elementwise)."""
+        h, kd = self.hidden, self.kv_heads * self.head_dim
+        return self.layers * (2 * h * h + 2 * h * kd + 3 * h * self.ffn) + self.vocab * h
+
 
 # Shapes from Meta's Llama 3 model cards / "The Llama 3 Herd of Models" (2024), table 3.
 PRESETS: dict[str, LlamaShape] = {

@@ -196,8 +196,14 @@ class LlamaWorkload:
         return self.shape().hidden
 
     def forward_flops(self) -> float:
+        """Model FLOPs of one forward: ``2 N`` per token for the matmul parameters (not the
+        embedding lookup nor the norms: :meth:`LlamaShape.matmul_params`) plus attention
+        ``4 L s h`` (scores and values over all ``s`` keys: PaLM's convention, Chowdhery et
+        al. 2022, appendix B), as :func:`parlearn.mfu.flop_count` counts with
+        ``attention="full"``."""
         m = self.shape()
-        return self.batch * self.seq * (2 * m.n_params() + 4 * m.layers * self.seq * m.hidden)
+        return self.batch * self.seq * (2 * m.matmul_params()
+                                        + 4 * m.layers * self.seq * m.hidden)
 
     def attention_flops(self) -> float:
         m = self.shape()
