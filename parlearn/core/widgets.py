@@ -366,7 +366,7 @@ class Predict:
             parts.append(line)
         if why:
             parts.append(f"why: {why}")
-        text = "\n".join(parts)
+        text = _Shown("\n".join(parts))
         self.verdict.value = f"<pre>{html.escape(text)}</pre>"
         print(text)
         return text
@@ -377,6 +377,13 @@ class Predict:
         display(W.VBox([W.HTML(f"<b>Predict first:</b> {html.escape(self.question)}"
                                + (f" ({html.escape(self.unit.strip())})" if self.unit.strip()
                                   else "")), self.box]))
+
+
+class _Shown(str):
+    """The verdict's text, already printed: as a cell's last value it shows nothing more."""
+
+    def _ipython_display_(self) -> None:
+        pass
 
 
 def _fmt(x: Any) -> str:
