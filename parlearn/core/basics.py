@@ -56,24 +56,24 @@ def _real_array(name: str, value) -> np.ndarray:
 
 def amdahl(serial_fraction, workers):
     """Modeled speedup ``1 / (s + (1 - s) / p)``; broadcasts over numpy arrays."""
+    s, p = _fraction_and_workers(serial_fraction, workers)
+    return 1.0 / (s + (1.0 - s) / p)
+
+
+def _fraction_and_workers(serial_fraction, workers):
     s = _real_array("serial_fraction", serial_fraction)
     p = _real_array("workers", workers)
     if np.any((s < 0) | (s > 1)):
         raise ValueError(f"serial_fraction must lie in [0, 1], got {serial_fraction!r}")
     if np.any(p < 1):
         raise ValueError(f"workers must be >= 1, got {workers!r}")
-    return 1.0 / (s + (1.0 - s) / p)
+    return s, p
 
 
 def gustafson(serial_fraction, workers):
     """Modeled scaled speedup ``s + (1 - s) p`` (Gustafson 1988): the problem grows with
     ``p`` and ``s`` is the serial fraction of the time on ``p`` workers; broadcasts."""
-    s = _real_array("serial_fraction", serial_fraction)
-    p = _real_array("workers", workers)
-    if np.any((s < 0) | (s > 1)):
-        raise ValueError(f"serial_fraction must lie in [0, 1], got {serial_fraction!r}")
-    if np.any(p < 1):
-        raise ValueError(f"workers must be >= 1, got {workers!r}")
+    s, p = _fraction_and_workers(serial_fraction, workers)
     return s + (1.0 - s) * p
 
 

@@ -21,6 +21,7 @@ what the ZeRO model says it should.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -120,7 +121,7 @@ def recipe_worker(rank: int, world_size: int, variant: str, steps: int, batch: i
         for m in range(micro_batches):
             part = slice(m * micro, (m + 1) * micro)
             last = m == micro_batches - 1
-            sync = wrapped.no_sync() if variant == "ddp" and not last else _nothing()
+            sync = wrapped.no_sync() if variant == "ddp" and not last else contextlib.nullcontext()
             with sync:
                 loss = nn.functional.mse_loss(wrapped(x[part]), y[part]) / micro_batches
                 loss.backward()
@@ -147,14 +148,6 @@ def recipe_worker(rank: int, world_size: int, variant: str, steps: int, batch: i
         "state": sum(v.numel() for s in inner.state.values() for v in s.values()
                      if isinstance(v, torch.Tensor) and v.dim() > 0)}
     return out
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _check(variant, steps, batch, micro_batches, seed, world_size) -> None:
