@@ -178,6 +178,23 @@ def test_gap_table_rows(m):
     for r in rows:
         assert r["gap"] == pytest.approx(r["trained"] - r["convex"])
         assert r["gap"] >= -1e-12 and r["rank_svt"] == 3
+        assert r["drop"] >= -1e-12 and isinstance(r["converged"], bool)
+
+
+def test_gap_table_flags_a_run_still_falling(m):
+    # depth 4 with a fourth, superfluous branch: the extra branch shrinks only slowly, so
+    # after 600 steps the objective is still falling and the point is not a converged value
+    rows = du.gap_table(m, LAM, depths=[4], branch_counts=[2, 4], seeds=[0], steps=600, lr=0.1)
+    stuck, falling = rows
+    assert stuck["converged"] and stuck["gap"] > 0.1          # K < r: a real gap, GD stationary
+    assert not falling["converged"] and falling["drop"] > 1e-3 * falling["gap"] > 0
+    # with no tolerance at all, only a run that does not move at all counts as converged
+    strict = du.gap_table(m, LAM, depths=[4], branch_counts=[4], seeds=[0], steps=600, lr=0.1,
+                          converged_tol=0.0)
+    assert not strict[0]["converged"]
+    with pytest.raises(ValueError, match="converged_tol"):
+        du.gap_table(m, LAM, depths=[2], branch_counts=[1], seeds=[0], steps=10,
+                     converged_tol=-1.0)
 
 
 # --- bad input -----------------------------------------------------------------------------

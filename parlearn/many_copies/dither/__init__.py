@@ -12,8 +12,9 @@ module             what it holds
                    its serial reference :func:`sequential_grad`, :func:`grad_variance`
 ``demodulation``   a dithered ReLU in closed form (:func:`smoothed_relu`, its slope) and
                    the harmonics it makes from a sinusoid (:func:`relu_spectrum`)
-``regimes``        the lesson's experiment: :func:`train` in three regimes on a seeded
-                   :func:`mlp`, :func:`compare_regimes` over seeds, the statistics,
+``regimes``        the lesson's experiment: :func:`train` (three update schemes, each
+                   clean or noisy) on a seeded :func:`mlp`, :func:`compare_regimes`
+                   (the five regimes of the lesson) over seeds, the statistics,
                    :func:`throughput` and the bench rows
 =================  =======================================================================
 

@@ -1,8 +1,9 @@
-"""The lesson's experiment: SGD in three regimes at equal updates, and what it costs.
+"""The lesson's experiment: SGD in five regimes at equal updates, and what it costs.
 
-:func:`train` runs one regime (minibatch SGD, single-example SGD, or single-example SGD
+:func:`train` runs one update scheme (minibatch SGD, single-example SGD, or single-example SGD
 with P noisy copies averaged by :func:`parlearn.many_copies.dither.gradients.parallel_grad`)
-on a seeded :func:`mlp`; :func:`compare_regimes` runs the lesson's whole plan over seeds, and
+on a seeded :func:`mlp`; :func:`compare_regimes` runs the lesson's whole plan over seeds (five
+regimes: batch and single-example SGD, clean and with each noise, and parallel noisy copies), and
 :func:`summarise` and :func:`paired_difference` read the result. :func:`throughput` and
 :func:`bench` measure one P-copy gradient batched against the loop over copies.
 """
@@ -120,7 +121,7 @@ def train(regime: str, data, *, epochs: int = 5, lr: float = 0.05, hidden: int =
           batch_size: int | None = None, copies: int | None = None,
           dither: str | None = None, scale: float = 0.0, dropout: float | None = None,
           seed: int = 0, progress: bool = False) -> History:
-    """Train an MLP on ``data`` (a :class:`parlearn.datasets.Split`) in one of three regimes.
+    """Train an MLP on ``data`` (a :class:`parlearn.datasets.Split`) with one update scheme.
 
     * ``"batch"``: minibatch SGD (``batch_size`` examples per update), one noisy copy each;
     * ``"single"``: one example per update, one noisy copy;
