@@ -6,11 +6,14 @@ data parallel, where coordinate descent (scikit-learn's default solver) walks th
 one by one. :func:`mu_step_loop` is the serial reference: one entry at a time, reading only the
 old matrices, which is what makes the parallel update equal to it.
 
-Exemplar-based conversion (the seed, a reconstruction from its abstract only): a source and a
-target dictionary hold *paired* exemplars (the same frame spoken by both); a source frame is
-written as ``W_src h`` with ``h >= 0`` and converted as ``W_tgt h``. The seed's dictionary
-update lets a small dictionary do a large exemplar set's work; here that update is joint NMF
-on the stacked pairs ``[V_src; V_tgt] ~ [W_src; W_tgt] H`` (shared activations keep the two
+Exemplar-based conversion (the seed: C.-C. Hsu et al., "Dictionary Update for NMF-based Voice
+Conversion Using an Encoder-Decoder Network", ISCSLP 2016, arXiv 1610.03988; abstract and
+conclusion read): a source and a target dictionary hold *paired* exemplars (the same frame
+spoken by both); a source frame is written as ``W_src h`` with ``h >= 0`` and converted as
+``W_tgt h``. The seed's dictionary update, an encoder-decoder reformulation of NMF, lets a
+small dictionary do a large exemplar set's work. :func:`update_dictionary` is *not* that
+method: it is the conventional joint update the paper says it avoids, joint NMF on the
+stacked pairs ``[V_src; V_tgt] ~ [W_src; W_tgt] H`` (shared activations keep the two
 dictionaries paired), started from the exemplars. The loss, the corpus (generated spectra,
 not speech) and the update rule are our choices.
 """
@@ -220,7 +223,8 @@ def exemplar_dictionary(corpus: dict, size: int, seed: int = 0) -> dict:
 def update_dictionary(corpus: dict, dictionary: dict, *, steps: int = 200,
                       seed: int = 0) -> dict:
     """Joint NMF on ``[src; tgt]`` from the paired exemplars: both halves of every atom and
-    the shared activations updated together, so the dictionaries stay paired."""
+    the shared activations updated together, so the dictionaries stay paired (the joint
+    update that Hsu et al. 2016 replace by an encoder-decoder update; see the module)."""
     _check_pair("corpus", corpus)
     _check_pair("dictionary", dictionary, rows=corpus["src"].shape[0])
     steps = check_int("steps", steps, lo=0)

@@ -116,6 +116,18 @@ def test_seeded_run_ensemble_beats_mean_replica(data):
     assert run["ensemble_nll"] <= run["mean_replica_nll"]
     assert run["first_k"][0] == run["replicas"][0]
     assert run["first_k"][-1] == run["ensemble"]
+    assert run["first_k_vote"][0] == run["replicas"][0]  # one voter: its own argmax
+
+
+def test_plurality_vote_by_hand():
+    # 3 replicas, 1 example, 4 classes: argmaxes 2, 1, 1 -> votes after k = 1, 2, 3.
+    logits = torch.tensor([[[0., 0., 5., 0.]], [[0., 5., 0., 0.]], [[0., 5., 0., 0.]]])
+    assert rp.plurality_votes(logits)[:, 0].tolist() == [2, 1, 1]  # k=2 ties 1-1: lowest class
+    # A plurality can win with far fewer than half the votes when errors spread over classes.
+    logits = torch.full((5, 1, 10), 0.0)
+    for r, c in enumerate([3, 3, 0, 1, 2]):
+        logits[r, 0, c] = 1.0
+    assert rp.plurality_votes(logits)[-1, 0].item() == 3  # 2 of 5 votes
 
 
 def test_permuting_hidden_units_keeps_the_function_but_breaks_averaging(data):

@@ -1,8 +1,9 @@
 """Mean-field parallel decoding: commit the positions a mean-field fixed point keeps apart.
 
-A reconstruction. "Mean-Field Parallel Decoding for
-Discrete Diffusion Language Models" (arXiv 2606.15805) could only be read as an
-abstract. Our reading: give each masked position a binary commit variable ``s_i`` with
+A reconstruction of an unverified source. "Mean-Field Parallel Decoding for
+Discrete Diffusion Language Models" (given to us as arXiv 2606.15805; the identifier
+could not be checked) could only be read as an abstract attributed to it. Our reading:
+give each masked position a binary commit variable ``s_i`` with
 field ``h_i = logit(c_i) - logit(tau)`` and non-negative couplings ``J_ij`` that are
 large when ``i`` and ``j`` would conflict (default: the overlap of their predictive
 distributions, ``1 - JSD(p_i, p_j) / ln 2``, times a strength ``lam`` and optionally a

@@ -29,6 +29,7 @@ from parlearn.many_copies.replicas.pooling import (
     ensemble_probs,
     mean_replica_nll,
     permute_hidden,
+    plurality_votes,
 )
 from parlearn.many_copies.replicas.runs import (
     BOOTSTRAPS,
@@ -50,5 +51,5 @@ from parlearn.many_copies.replicas.stacked import (
 
 __all__ = ["make_replicas", "stack", "check_stacked", "sgd_step_looped", "sgd_step_batched",
            "predict", "ensemble_probs", "ensemble_nll", "mean_replica_nll", "accuracies",
-           "average_weights", "permute_hidden", "convolutional_bootstrap", "train_batched",
-           "train_looped", "BOOTSTRAPS", "instant_learning", "throughput", "bench"]
+           "average_weights", "permute_hidden", "plurality_votes", "convolutional_bootstrap",
+           "train_batched", "train_looped", "BOOTSTRAPS", "instant_learning", "throughput", "bench"]

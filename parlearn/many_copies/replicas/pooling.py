@@ -10,7 +10,7 @@ from parlearn.core.checks import (
 from parlearn.many_copies.replicas.stacked import Params
 
 __all__ = ["ensemble_probs", "ensemble_nll", "mean_replica_nll", "accuracies", "average_weights",
-           "permute_hidden"]
+           "permute_hidden", "plurality_votes"]
 
 # --- pooling ------------------------------------------------------------------------------
 
@@ -19,6 +19,19 @@ def ensemble_probs(logits: torch.Tensor) -> torch.Tensor:
     """The ensemble's prediction: the replicas' softmax probabilities averaged, (n, classes)."""
     check_tensor("logits", logits, ndim=3, floating=True)
     return logits.softmax(-1).mean(0)
+
+
+def plurality_votes(logits: torch.Tensor) -> torch.Tensor:
+    """Plurality vote of the first k replicas, for every k: ``(R, n)`` predicted classes.
+
+    Row ``k - 1`` is the class most of replicas ``1..k`` predict (each replica votes
+    for its argmax; a tie goes to the lowest class index). This is *voting*, the pooling
+    Condorcet's jury theorem is about; :func:`ensemble_probs` averages probabilities
+    instead, and so also counts how sure each replica is.
+    """
+    check_tensor("logits", logits, ndim=3, floating=True)
+    votes = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).cumsum(0)
+    return votes.argmax(-1)  # torch.argmax returns the first maximum: lowest class on ties
 
 
 def _check_labels(logits: torch.Tensor, y: torch.Tensor) -> None:

@@ -25,6 +25,7 @@ from parlearn.many_copies.replicas.pooling import (
     average_weights,
     ensemble_nll,
     mean_replica_nll,
+    plurality_votes,
 )
 from parlearn.many_copies.replicas.stacked import (
     Params,
@@ -146,6 +147,8 @@ def _evaluate(base, params, buffers, x_test, y_test) -> dict:
     # Ensemble of the first k replicas, k = 1..R: how pooling grows with R.
     probs = logits.softmax(-1).cumsum(0)
     out["first_k"] = (probs.argmax(-1) == y_test).double().mean(1).tolist()
+    # The same first k replicas pooled by plurality vote instead (argmax counts).
+    out["first_k_vote"] = (plurality_votes(logits) == y_test).double().mean(1).tolist()
     return out
 
 
@@ -185,7 +188,8 @@ def instant_learning(data, replicas_list: Sequence[int] = (1, 8, 64), *, epochs:
     for these tiny models on a shared machine); ``None`` keeps the caller's. Returns
     ``{"R": [...], "wall_s": [...], "runs": [evaluation per R], "device", "threads"}``; each
     evaluation has per-replica, mean-replica, ensemble and weight-averaged test accuracy,
-    both cross-entropies and ``first_k`` (accuracy of the ensemble of the first k replicas).
+    both cross-entropies, ``first_k`` (accuracy of the ensemble of the first k replicas)
+    and ``first_k_vote`` (the same replicas pooled by plurality vote).
     """
     rs = _check_runs(data, replicas_list, hidden, batch_size, threads)
     check_int("epochs", epochs, lo=1)
