@@ -418,6 +418,12 @@ CASES: list[Case] = [
                  "replicas": (1, None), "seed": (0, None)}, bad={"dtype": [torch.int64]}),
     Case("parlearn.many_copies.replicas.ensemble_probs", lambda: dict(logits=_logits()),
          bad={"logits": [_t(5, 4), _logits().long()]}, legal={"logits": [NAN_TENSOR]}),
+    Case("parlearn.many_copies.replicas.pooling.plurality_votes",
+         lambda: dict(logits=torch.tensor([[[0.0, 1, 0], [2, 0, 0]], [[0, 0, 3], [0, 1, 0]],
+                                           [[0, 0, 1], [0, 1, 0]]], dtype=F64)),
+         bad={"logits": [_t(5, 4), _logits().long()]}, legal={"logits": [NAN_TENSOR]},
+         # votes per k: k=1 -> class 1 / 0; k=2 -> tie 1 vs 2 -> 1 / tie 0 vs 1 -> 0; k=3 -> 2 / 1
+         check=lambda r, kw: r.tolist() == [[1, 0], [1, 0], [2, 1]]),
     Case("parlearn.many_copies.replicas.ensemble_nll",
          lambda: dict(logits=_logits(), y=_labels()),
          bad={"y": [_labels(4), torch.tensor([0, 1, 2, 3, 4]), torch.tensor([0, 1, 2, 3, -1]),
