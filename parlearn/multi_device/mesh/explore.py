@@ -36,7 +36,7 @@ def best_meshes(model: str = "llama3-8b", gpus: int = 8, seq: int = 4096,
     """The fastest plan of each of the ``top`` fastest meshes that fit (modeled), for a
     global batch of ``max(gpus // 2, 64)`` sequences of ``seq`` tokens; ``efficiency`` as
     :class:`parlearn.mesh.planner.Cluster` takes it (None: 0.6 of the datasheet peak).
-    Returns ``{"ranked", "model", "gpus", "batch", "seq", "n_fit", "n", "efficiency",
+    Returns ``{"ranked", "model", "gpus", "inter_gbs", "batch", "seq", "n_fit", "n", "efficiency",
     "anchor"`` (the measured run), ``"anchor_s"`` (step time at its MFU, low and high)``}``."""
     check_choice("model", model, tuple(PRESETS))
     gpus = check_int("gpus", gpus, lo=1)
@@ -56,6 +56,7 @@ def best_meshes(model: str = "llama3-8b", gpus: int = 8, seq: int = 4096,
     anchor = MEASURED_MFU[0]
     peak = node.flops[work.dtype] * gpus
     return {"ranked": list(best.values())[:top], "model": model, "gpus": gpus,
+            "inter_gbs": inter_gbs,
             "batch": work.batch, "seq": seq, "n_fit": sum(p.fits for p in ranked),
             "n": len(ranked), "efficiency": cluster.sustained, "anchor": anchor,
             "anchor_s": tuple(3 * work.forward_flops() / (m * peak) for m in anchor["mfu"])}
@@ -79,9 +80,13 @@ def plot_best(res: dict, axes) -> None:
     ax_t, ax_m, ax_mem = axes
     best = res["ranked"]
     lo, hi = res["anchor"]["mfu"]
-    ax_t.figure.suptitle(f"{res['model']} on {res['gpus']} GPUs, batch {res['batch']} x "
-                         f"{res['seq']}: modeled at {res['efficiency']:.2f} of the datasheet "
-                         f"peak; measured: Llama 3 405B, {lo:.2f}-{hi:.2f} MFU on H100s")
+    # The title names every input, so the figure says what it shows (and changes with any
+    # control, even one that moves no bar, such as the link between nodes on one node).
+    ax_t.figure.suptitle(f"{res['model']} on {res['gpus']} GPUs "
+                         f"({res.get('inter_gbs', float('nan')):g} GB/s between nodes), batch "
+                         f"{res['batch']} x {res['seq']}: modeled at {res['efficiency']:.2f} of "
+                         f"the datasheet peak; measured: Llama 3 405B, {lo:.2f}-{hi:.2f} MFU on "
+                         "H100s")
     if not best:
         for ax in axes:
             ax.axis("off")
