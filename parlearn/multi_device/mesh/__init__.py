@@ -20,6 +20,7 @@ The hardware card the planner reads is :mod:`parlearn.card` (``parlearn.distribu
 """
 
 from parlearn.multi_device.mesh.composed import (
+    MeshRank,
     StageGPT,
     assemble,
     check_plan,
@@ -29,5 +30,5 @@ from parlearn.multi_device.mesh.composed import (
 )
 from parlearn.multi_device.mesh.layout import AXES, MeshShape, draw_mesh
 
-__all__ = ["AXES", "MeshShape", "draw_mesh", "StageGPT", "check_plan", "mesh_train",
+__all__ = ["AXES", "MeshShape", "draw_mesh", "StageGPT", "MeshRank", "check_plan", "mesh_train",
            "mesh_train_worker", "assemble", "mesh_check"]

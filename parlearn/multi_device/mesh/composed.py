@@ -49,7 +49,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from parlearn.core.checks import check_bool, check_choice, check_float, check_int
+from parlearn.core.checks import (
+    check_bool,
+    check_choice,
+    check_float,
+    check_int,
+    check_tensor,
+)
 from parlearn.multi_device.context_parallel.gpt import serial_train, train_batches
 from parlearn.multi_device.context_parallel.sequence_parallel import (
     GatherSequence,
@@ -60,8 +66,8 @@ from parlearn.multi_device.pipeline.schedules import schedule
 from parlearn.multi_device.tensor_parallel.megatron import CopyToRanks, SumOverRanks
 from parlearn.multi_device.transformer.model import GPT, GPTConfig, _rotate_half, attention_core
 
-__all__ = ["COLUMN", "ROW", "StageGPT", "check_plan", "mesh_train_worker", "mesh_train",
-           "assemble", "mesh_check"]
+__all__ = ["COLUMN", "ROW", "StageGPT", "MeshRank", "check_plan", "mesh_train_worker",
+           "mesh_train", "assemble", "mesh_check"]
 
 # Linear layers split by output features (dim 0 of the weight) and by input features (dim 1).
 COLUMN = ("attn.q", "attn.k", "attn.v", "mlp.up", "mlp.gate")
@@ -239,67 +245,89 @@ def check_train_args(cfg: GPTConfig, shape: MeshShape, steps: int, batch: int, s
     check_plan(cfg, shape, batch, seq, micro_batches, sp)
 
 
-def mesh_train_worker(rank: int, world_size: int, cfg: GPTConfig, shape: MeshShape, steps: int,
-                      batch: int, seq: int, micro_batches: int, lr: float, seed: int, sp: bool,
-                      zero: int, recompute: str, kind: str) -> dict:
-    """Worker: :func:`parlearn.context_parallel.serial_train`'s loop (Adam) on this rank's
-    piece of the mesh. Returns its parameters (name -> local tensor), the loss per step
-    (last stage; None elsewhere), step times, held bytes, the peak of saved activation
-    bytes, and one step's collectives per axis (from the ledger)."""
-    from torch.distributed.device_mesh import init_device_mesh
+class MeshRank:
+    """One rank's share of a mesh run: its mesh and groups, its piece of the model
+    (:class:`StageGPT`), its optimizer (:class:`parlearn.sharding.ShardedAdam` over the dp
+    group) and its pipeline schedule. Build it on every rank of the group (it creates
+    process groups, which is collective), then call :meth:`step` with the whole batch of
+    each step: the rank cuts out its replica's share. ``steps`` counts the steps taken
+    (restored from a checkpoint by :func:`parlearn.at_scale.checkpoint.load`)."""
 
-    from parlearn.distributed import ledger
-    from parlearn.multi_device.sharding import ShardedAdam
+    def __init__(self, rank: int, cfg: GPTConfig, shape: MeshShape, *, batch: int, seq: int,
+                 micro_batches: int = 2, lr: float = 1e-2, seed: int = 0, sp: bool = True,
+                 zero: int = 1, recompute: str = "none", kind: str = "1f1b") -> None:
+        from torch.distributed.device_mesh import init_device_mesh
 
-    # Every rank checks before its first collective (the mesh's own set-up is one).
-    check_train_args(cfg, shape, steps, batch, seq, micro_batches, lr, seed, sp, zero,
-                     recompute, kind)
-    if world_size != shape.world:
-        raise ValueError(f"world_size={world_size} must equal shape.world={shape.world}")
-    mesh = init_device_mesh("cpu", shape.dims, mesh_dim_names=AXES)
-    tp_group, dp_group = mesh.get_group("tp"), mesh.get_group("dp")
-    me = shape.coords(rank)
-    stage, shard, replica = me["pp"], me["tp"], me["dp"]
-    emb_group = None
-    if shape.pp > 1:  # every rank creates every group, in the same order
-        for ranks in shape.groups("embedding"):
-            g = tdist.new_group(ranks)
-            if rank in ranks:
-                emb_group = g
-    model = StageGPT(GPT(cfg, dtype=torch.float64), shape, stage, shard, sp=sp,
-                     tp_group=tp_group, recompute=recompute)
-    opt = ShardedAdam(model, stage=zero, lr=lr, group=dp_group)
-    prev = shape.rank(stage - 1, replica, shard) if stage > 0 else None
-    nxt = shape.rank(stage + 1, replica, shard) if stage < shape.pp - 1 else None
-    local_b = batch // shape.dp
-    mb = local_b // micro_batches
-    act_shape = (mb, seq // shape.tp if sp else seq, cfg.d_model)
-    ops = schedule(kind, shape.pp, micro_batches)[stage]
-    out: dict = {"loss": [], "step_s": [], "coords": me, "act_peak": 0, "act_per_mb": 0}
+        from parlearn.multi_device.sharding import ShardedAdam
 
-    for step, (idx, tgt) in enumerate(train_batches(steps, batch, seq, seed)):
-        idx, tgt = (t[replica * local_b:(replica + 1) * local_b] for t in (idx, tgt))
-        opt.zero_grad()
+        # Every rank checks before its first collective (the mesh's own set-up is one).
+        check_train_args(cfg, shape, 1, batch, seq, micro_batches, lr, seed, sp, zero,
+                         recompute, kind)
+        if not tdist.is_initialized() or tdist.get_world_size() != shape.world:
+            have = tdist.get_world_size() if tdist.is_initialized() else "no group"
+            raise ValueError(f"shape.world={shape.world} must equal the process group's world "
+                             f"size ({have})")
+        self.cfg, self.shape, self.batch, self.seq, self.sp = cfg, shape, batch, seq, sp
+        self.mesh = init_device_mesh("cpu", shape.dims, mesh_dim_names=AXES)
+        self.tp_group, self.dp_group = self.mesh.get_group("tp"), self.mesh.get_group("dp")
+        self.coords = me = shape.coords(rank)
+        self.stage, self.shard, self.replica = me["pp"], me["tp"], me["dp"]
+        self.emb_group = None
+        if shape.pp > 1:  # every rank creates every group, in the same order
+            for ranks in shape.groups("embedding"):
+                g = tdist.new_group(ranks)
+                if rank in ranks:
+                    self.emb_group = g
+        self.model = StageGPT(GPT(cfg, dtype=torch.float64), shape, self.stage, self.shard,
+                              sp=sp, tp_group=self.tp_group, recompute=recompute)
+        self.opt = ShardedAdam(self.model, stage=zero, lr=lr, group=self.dp_group)
+        s = self.stage
+        self.prev = shape.rank(s - 1, self.replica, self.shard) if s > 0 else None
+        self.nxt = shape.rank(s + 1, self.replica, self.shard) if s < shape.pp - 1 else None
+        self.local_b = batch // shape.dp
+        self.mb = self.local_b // micro_batches
+        self.act_shape = (self.mb, seq // shape.tp if sp else seq, cfg.d_model)
+        self.ops = schedule(kind, shape.pp, micro_batches)[s]
+        self.act_peak = self.act_per_mb = 0
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (the Adam step count)."""
+        return self.opt.steps
+
+    def step(self, idx: torch.Tensor, tgt: torch.Tensor) -> dict:
+        """One training step on the whole batch ``(idx, tgt)`` (each ``(batch, seq)``, the
+        same on every rank). Returns ``{"loss": the batch's mean loss (last stage; None
+        elsewhere), "seconds": the step's wall time, "records": {"pipe", "embedding", "dp"}:
+        the ledger records of each phase}``."""
+        from parlearn.distributed import ledger
+
+        check_tensor("idx", idx, shape=(self.batch, self.seq), dtype=torch.int64)
+        check_tensor("tgt", tgt, shape=(self.batch, self.seq), dtype=torch.int64)
+        model, mb, shard = self.model, self.mb, self.shard
+        lo = self.replica * self.local_b
+        idx, tgt = idx[lo:lo + self.local_b], tgt[lo:lo + self.local_b]
+        self.opt.zero_grad()
         inputs, outputs, sends, live, loss = {}, {}, [], {}, 0.0
         t0 = time.perf_counter()
         with ledger() as pipe_led:  # p2p is the pipeline's; the rest is TP's
-            for op in ops:
+            for op in self.ops:
                 rows = slice(op.mb * mb, (op.mb + 1) * mb)
                 if op.kind == "F":
                     if model.first:
                         x = idx[rows]
                     else:
-                        x = torch.empty(act_shape, dtype=torch.float64)
-                        tdist.recv(x, prev, tag=op.mb)
+                        x = torch.empty(self.act_shape, dtype=torch.float64)
+                        tdist.recv(x, self.prev, tag=op.mb)
                         x.requires_grad_(True)
                     nbytes, y = _saved_bytes(model, lambda x=x, t=tgt[rows]: model(
-                        x, shard, t, float(local_b * seq)))
+                        x, shard, t, float(self.local_b * self.seq)))
                     live[op.mb] = nbytes
-                    out["act_peak"] = max(out["act_peak"], sum(live.values()))
-                    out["act_per_mb"] = nbytes
+                    self.act_peak = max(self.act_peak, sum(live.values()))
+                    self.act_per_mb = nbytes
                     inputs[op.mb], outputs[op.mb] = x, y
-                    if nxt is not None:
-                        sends.append((tdist.isend(y.detach(), nxt, tag=op.mb), y))
+                    if self.nxt is not None:
+                        sends.append((tdist.isend(y.detach(), self.nxt, tag=op.mb), y))
                 else:
                     y = outputs.pop(op.mb)
                     if model.last:
@@ -307,38 +335,63 @@ def mesh_train_worker(rank: int, world_size: int, cfg: GPTConfig, shape: MeshSha
                         y.backward()
                     else:
                         g = torch.empty_like(y)
-                        tdist.recv(g, nxt, tag=op.mb)
+                        tdist.recv(g, self.nxt, tag=op.mb)
                         y.backward(g)
                     x = inputs.pop(op.mb)
                     live.pop(op.mb)
-                    if prev is not None:
-                        sends.append((tdist.isend(x.grad, prev, tag=op.mb), x))
+                    if self.prev is not None:
+                        sends.append((tdist.isend(x.grad, self.prev, tag=op.mb), x))
             for work, _ in sends:
                 work.wait()
-            if sp and shape.tp > 1:  # partial sums of the replicated parameters' gradients
+            if self.sp and self.shape.tp > 1:  # partial sums of replicated parameters' grads
                 for p in model.replicated():
-                    tdist.all_reduce(p.grad, group=tp_group)
+                    tdist.all_reduce(p.grad, group=self.tp_group)
         with ledger() as emb_led:
-            if emb_group is not None:
-                tdist.all_reduce(model.tok.weight.grad, group=emb_group)
+            if self.emb_group is not None:
+                tdist.all_reduce(model.tok.weight.grad, group=self.emb_group)
         with ledger() as dp_led:
-            opt.step()
-        out["step_s"].append(time.perf_counter() - t0)
+            self.opt.step()
+        seconds = time.perf_counter() - t0
+        mean = None
         if model.last:
             total = torch.tensor(loss, dtype=torch.float64)
-            if sp and shape.tp > 1:
-                tdist.all_reduce(total, group=tp_group)
-            tdist.all_reduce(total, group=dp_group)
-            out["loss"].append(float(total) / shape.dp)
+            if self.sp and self.shape.tp > 1:
+                tdist.all_reduce(total, group=self.tp_group)
+            tdist.all_reduce(total, group=self.dp_group)
+            mean = float(total) / self.shape.dp
+        return {"loss": mean, "seconds": seconds,
+                "records": {"pipe": pipe_led.records, "embedding": emb_led.records,
+                            "dp": dp_led.records}}
+
+
+def mesh_train_worker(rank: int, world_size: int, cfg: GPTConfig, shape: MeshShape, steps: int,
+                      batch: int, seq: int, micro_batches: int, lr: float, seed: int, sp: bool,
+                      zero: int, recompute: str, kind: str) -> dict:
+    """Worker: :func:`parlearn.context_parallel.serial_train`'s loop (Adam) on this rank's
+    piece of the mesh (:class:`MeshRank`). Returns its parameters (name -> local tensor),
+    the loss per step (last stage; None elsewhere), step times, held bytes, the peak of
+    saved activation bytes, and one step's collectives per axis (from the ledger)."""
+    check_train_args(cfg, shape, steps, batch, seq, micro_batches, lr, seed, sp, zero,
+                     recompute, kind)
+    if world_size != shape.world:
+        raise ValueError(f"world_size={world_size} must equal shape.world={shape.world}")
+    me = MeshRank(rank, cfg, shape, batch=batch, seq=seq, micro_batches=micro_batches, lr=lr,
+                  seed=seed, sp=sp, zero=zero, recompute=recompute, kind=kind)
+    out: dict = {"loss": [], "step_s": [], "coords": me.coords}
+    for step, (idx, tgt) in enumerate(train_batches(steps, batch, seq, seed)):
+        res = me.step(idx, tgt)
+        out["step_s"].append(res["seconds"])
+        if res["loss"] is not None:
+            out["loss"].append(res["loss"])
         if step == 0:
-            p2p = [r for r in pipe_led.records if r.kind in _P2P]
-            out["collectives"] = {"pp": _summary(p2p),
-                                  "tp": _summary([r for r in pipe_led.records
-                                                  if r.kind not in _P2P]),
-                                  "embedding": _summary(emb_led.records),
-                                  "dp": _summary(dp_led.records)}
-    out["held"] = opt.held_bytes()
-    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+            pipe = res["records"]["pipe"]
+            out["collectives"] = {"pp": _summary([r for r in pipe if r.kind in _P2P]),
+                                  "tp": _summary([r for r in pipe if r.kind not in _P2P]),
+                                  "embedding": _summary(res["records"]["embedding"]),
+                                  "dp": _summary(res["records"]["dp"])}
+    out["act_peak"], out["act_per_mb"] = me.act_peak, me.act_per_mb
+    out["held"] = me.opt.held_bytes()
+    out["params"] = {n: p.detach().clone() for n, p in me.model.named_parameters()}
     return out
 
 

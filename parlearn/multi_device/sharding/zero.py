@@ -379,6 +379,61 @@ class ShardedAdam:
             self._free(held)
         return torch.cat(parts)
 
+    # -- checkpoints ------------------------------------------------------------------------
+    def _names(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.model.named_parameters()}
+
+    @torch.no_grad()
+    def state_dict(self) -> dict:
+        """The Adam state as whole tensors, keyed by parameter name, so it can be loaded on
+        any number of ranks: ``{"step": n, "state": {name: {"exp_avg": t, "exp_avg_sq":
+        t}}}`` (trainable parameters only; a tied one once, under its first name). Stages
+        1-3 all-gather each unit's moment shards over the group: call it on every rank."""
+        names, state = self._names(), {}
+        for unit in self.units:
+            moments = []
+            for shard in (unit.exp_avg, unit.exp_avg_sq):
+                if self.stage == 0:
+                    full = shard
+                else:
+                    full = shard.new_empty(unit.layout.padded)
+                    tdist.all_gather_single(full, shard.contiguous(), group=self.group)
+                moments.append(unit.layout.views(full))
+            for p, m, v in zip(unit.params, *moments, strict=True):
+                state[names[id(p)]] = {"exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+        return {"step": self.steps, "state": state}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load what :meth:`state_dict` returned (from any number of ranks, any stage): each
+        rank keeps its own shard of the moments. Refuses, before changing anything, a
+        state that misses or adds a parameter, or has the wrong shape or dtype."""
+        if not isinstance(state_dict, dict) or set(state_dict) != {"step", "state"}:
+            raise TypeError("state_dict must be a dict with keys 'step' and 'state', as "
+                            "ShardedAdam.state_dict() returns")
+        step = check_int("state_dict['step']", state_dict["step"], lo=0)
+        state, names = state_dict["state"], self._names()
+        want = {names[id(p)]: p for u in self.units for p in u.params}
+        if not isinstance(state, dict) or set(state) != set(want):
+            got = set(state) if isinstance(state, dict) else set()
+            raise ValueError(f"state_dict['state'] must hold exactly the trainable parameters "
+                             f"{sorted(want)}; missing {sorted(set(want) - got)}, extra "
+                             f"{sorted(got - set(want))}")
+        for name, p in want.items():
+            entry = state[name]
+            if not isinstance(entry, dict) or set(entry) != {"exp_avg", "exp_avg_sq"}:
+                raise ValueError(f"state_dict['state'][{name!r}] must hold 'exp_avg' and "
+                                 "'exp_avg_sq'")
+            for key in ("exp_avg", "exp_avg_sq"):
+                check_tensor(f"state_dict['state'][{name!r}][{key!r}]", entry[key],
+                             shape=tuple(p.shape), dtype=p.dtype)
+        names_of = {id(p): n for n, p in want.items()}
+        for unit in self.units:
+            for key, mine in (("exp_avg", unit.exp_avg), ("exp_avg_sq", unit.exp_avg_sq)):
+                full = unit.layout.flatten([state[names_of[id(p)]][key] for p in unit.params])
+                mine.copy_(full if self.stage == 0 else unit.layout.shard(full))
+        self.steps = step
+
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds right now
         (frozen parameters included: every rank holds them whole)."""
