@@ -73,6 +73,8 @@ SHORT_NAMES: dict[str, str] = {
     "nmf": "elsewhere.nmf",
     # Part 5: running it for real
     "mfu": "at_scale.mfu",
+    "checkpoint": "at_scale.checkpoint",
+    "train": "at_scale.train",
 }
 
 

@@ -120,9 +120,71 @@ CASES += [
          run_good=False),   # starts rank processes
 ]
 
+def _shape(**kw):
+    from parlearn.mesh import MeshShape
+
+    return MeshShape(**kw)
+
+
+def _spec(**kw):
+    from parlearn.at_scale.train import TrainSpec
+
+    return TrainSpec(steps=1, batch=4, seq=8, d_model=16, n_layers=2, log=False, **kw)
+
+
+CASES += [
+    Case(A + "checkpoint.step_dir", lambda: dict(root="/tmp/run", step=4),
+         ranges={"step": (0, None)}, bad={"root": [3, "", None]},
+         legal={"root": ["no such /tmp/run"]},   # a folder still to be made
+         check=lambda r, kw: r == f"/tmp/run/step_{kw['step']:06d}"),
+    Case(A + "checkpoint.latest", lambda: dict(root="/tmp/parlearn-no-such-run"),
+         bad={"root": [3, "", None]},
+         legal={"root": ["no such /tmp/parlearn-no-such-run"]},   # None found: None
+         check=lambda r, kw: r is None),
+    Case(A + "checkpoint.load_full", lambda: dict(directory="/tmp/parlearn-no-such-ckpt"),
+         bad={"directory": [3, "", None]}, run_good=False),   # needs a saved checkpoint
+    Case(A + "train.TrainSpec",
+         lambda: dict(dp=1, tp=2, pp=1, steps=3, batch=4, seq=8, micro_batches=2, lr=1e-2,
+                      seed=0, sp=True, zero=1, d_model=16, n_layers=2, n_heads=4, ckpt=None,
+                      every=0, fail_at=1, fail_rank=0, peak_tflops=None, log=False),
+         ranges={"dp": (1, 2), "pp": (1, 2), "steps": (2, None), "micro_batches": (1, 2),
+                 "seed": (0, None), "every": (0, 0), "fail_rank": (0, 1),
+                 "n_layers": (1, None), "fail_at": (0, 2)},
+         bad={"tp": [0, 3, True], "lr": [0.0, -1.0], "dp": [3], "pp": [3], "batch": [0, 3],
+              "seq": [0, 7], "zero": [2, True],
+              "d_model": [0, 18], "n_heads": [0, 3], "ckpt": ["", 3], "sp": [1, "yes"],
+              "peak_tflops": [0.0, -1.0], "log": [1, "no"]},
+         legal={"ckpt": [None], "fail_at": [None], "peak_tflops": [None]},
+         check=lambda r, kw: r.world == kw["dp"] * kw["tp"] * kw["pp"]),
+    Case(A + "train.train", lambda: dict(spec=_spec(dp=2), timeout=60.0),
+         bad={"spec": [3, {"dp": 2}], "timeout": [0.0, -1.0]},
+         check=lambda r, kw: len(r) == 2 and list(r[0]["loss"]) == [0]),
+    Case(A + "train.reshard_check",
+         lambda: dict(before=_shape(dp=2), after=_shape(), steps=2, at=1, directory=None,
+                      timeout=60.0),
+         ranges={"steps": (2, None), "timeout": (0.0, None)},
+         bad={"before": [(2, 1, 1), "dp=2"], "after": [None, 3], "at": [0, 2, True],
+              "directory": [3]},
+         legal={"directory": [None]}, run_good=False),   # starts rank processes twice
+]
+
+
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
 
 COVERED_ELSEWHERE: dict[str, str] = {
+    A + "checkpoint.state": "tests/at_scale/test_checkpoint.py::"
+                            "test_the_rank_functions_refuse_what_is_not_a_mesh_rank",
+    A + "checkpoint.modeled_bytes": "tests/at_scale/test_checkpoint.py::"
+                                    "test_the_rank_functions_refuse_what_is_not_a_mesh_rank",
+    A + "checkpoint.save": "tests/at_scale/test_checkpoint.py::"
+                           "test_mesh_rank_and_save_refuse_bad_calls_on_every_rank",
+    A + "checkpoint.load": "tests/at_scale/test_checkpoint.py::"
+                           "test_load_refuses_a_checkpoint_of_another_model_on_every_rank",
+    A + "train.train_worker": "tests/at_scale/test_train.py::test_a_spec_is_checked_when_built",
+    A + "train.main":
+        "tests/at_scale/test_train.py::test_the_command_line_refuses_nccl_and_bad_flags",
+    "parlearn.multi_device.mesh.composed.MeshRank": "tests/at_scale/test_checkpoint.py::"
+        "test_mesh_rank_and_save_refuse_bad_calls_on_every_rank",
     A + "traces.dp_step_worker": "tests/at_scale/test_traces.py::test_worker_refuses_on_every_rank",
     A + "traces.dp_timed_worker":
         "tests/at_scale/test_traces.py::test_timed_worker_times_each_step_and_refuses_bad_calls",
