@@ -175,13 +175,16 @@ class GPT(nn.Module):
         if device is not None:
             check_device("device", device)
         self.cfg = cfg
-        with torch.device("meta"):  # no initialisation from the global RNG
+        # torch's initialisers draw from the global RNG: draw, then put the user's state back
+        # (_init_weights overwrites every value from the config's own seed). Building on the
+        # meta device would avoid the draws too, but its first use imports torch's
+        # reference ops, seconds in every freshly started rank.
+        with torch.random.fork_rng(devices=[]):
             self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
             self.pos = nn.Embedding(cfg.max_seq, cfg.d_model) if cfg.pos == "learned" else None
             self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
             self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.to_empty(device=device or "cpu")
-        self.to(dtype)
+        self.to(device=device or "cpu", dtype=dtype)
         self._init_weights()
 
     @property
