@@ -92,6 +92,7 @@ _PAYLOAD = {
     "all_gather_single": 0, "reduce_scatter": 1, "reduce_scatter_tensor": 1,
     "reduce_scatter_single": 1, "all_to_all": 1, "all_to_all_single": 1,
     "all_reduce_coalesced": 0, "barrier": None, "batch_isend_irecv": 0,
+    "monitored_barrier": None,
 }
 _KEYWORD = {"all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor",
             "send": "tensor", "recv": "tensor", "isend": "tensor", "irecv": "tensor",
@@ -197,7 +198,8 @@ def ledger() -> Iterator[Ledger]:
     ``bytes`` is the payload as passed: the tensor for all_reduce, broadcast, reduce,
     send/recv/isend/irecv; the OUTPUT for all_gather(_into_tensor, _single) (the whole
     gathered tensor); the INPUT for reduce_scatter(_tensor, _single) and all_to_all(_single);
-    what this rank contributes for gather and receives for scatter; 0 for barrier. Wire
+    what this rank contributes for gather and receives for scatter; 0 for barrier and
+    monitored_barrier. Wire
     traffic under a given algorithm is :func:`ring_bytes`. Calls ``torch`` makes from C++
     (DDP's gradient buckets) and functional collectives (DTensor) are not seen: count
     those with ``torch.distributed.tensor.debug.CommDebugMode`` or :meth:`Ledger.record`.
