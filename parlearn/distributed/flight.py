@@ -276,8 +276,7 @@ def _ended(rank: int, calls: Sequence[Call], how: str) -> str:
     when = ("before its first call" if last is None
             else f"inside its call #{last.seq} ({last.kind})" if not last.outcome
             else f"after its call #{last.seq}")
-    what = f"died ({how})" if _died(how) else how
-    return f"rank {rank} {what} {when}"
+    return f"rank {rank} died ({how}) {when}" if _died(how) else f"rank {rank} {how}, {when}"
 
 
 def _signature(c: Call) -> tuple:
