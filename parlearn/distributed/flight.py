@@ -41,7 +41,7 @@ import torch.distributed as tdist
 from parlearn.core.checks import check_int, check_str
 from parlearn.distributed import traffic
 
-__all__ = ["Call", "FlightRecorder", "recording", "read_records", "diagnose", "describe_call",
+__all__ = ["Call", "FlightRecorder", "recording", "read_records", "diagnose",
            "END_OF_RUN"]
 
 # The note on the barrier ``run`` issues after a worker returns.
@@ -94,7 +94,7 @@ def _arguments(kind: str, args: tuple, kwargs: dict) -> dict[str, Any]:
         return dict(kwargs)
 
 
-def describe_call(seq: int, kind: str, args: tuple, kwargs: dict, note: str = "") -> Call:
+def _describe(seq: int, kind: str, args: tuple, kwargs: dict, note: str = "") -> Call:
     """The :class:`Call` record of ``torch.distributed.<kind>(*args, **kwargs)`` as the
     ``seq``-th call of this rank (its payload found as :func:`~parlearn.distributed.ledger`
     finds it)."""
@@ -139,7 +139,7 @@ class FlightRecorder:
 
     def watch(self, kind: str, args: tuple, kwargs: dict) -> Callable:
         self.calls += 1
-        call = describe_call(self.calls, kind, args, kwargs, self._note)
+        call = _describe(self.calls, kind, args, kwargs, self._note)
         self._note = ""
         self._write({"seq": call.seq, "kind": call.kind, "bytes": call.nbytes,
                      "dtype": call.dtype, "shape": list(call.shape), "peer": call.peer,
