@@ -175,14 +175,15 @@ SILENT: dict[str, tuple[Callable, str]] = {
 }
 
 
-def doctor(worker: Callable, world_size: int = 2, *, args: Sequence = (),
+def doctor(fn: Callable, world_size: int = 2, *, args: Sequence = (),
            timeout: float = 30.0) -> tuple[list, str]:
-    """The doctor on demand: run ``worker`` with the flight recorder on and return
+    """The doctor on demand: run ``fn`` (as :func:`~parlearn.distributed.run` does) with
+    the flight recorder on and return
     ``(values, diagnosis)`` even when it succeeds, so a mismatch that did not hang (see
     :data:`SILENT`) is named too. A run that fails raises :class:`RankError` with its
     diagnosis, as ``run(..., doctor=True)`` does."""
     records: dict[int, list] = {}
-    values = run(worker, world_size, args=args, timeout=timeout, doctor=True, records=records)
+    values = run(fn, world_size, args=args, timeout=timeout, doctor=True, records=records)
     return values, diagnose(records)
 
 

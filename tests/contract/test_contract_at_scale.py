@@ -120,9 +120,28 @@ CASES += [
          run_good=False),   # starts rank processes
 ]
 
+CASES += [
+    Case(A + "hangs.hang_zoo",
+         lambda: dict(names=["dead_rank"], world_size=3, timeout=2.0, torch_says=False),
+         ranges={"world_size": (2, 16), "timeout": (0.5, 60.0)},
+         bad={"names": [[], "dead_rank", ["nope"], [3]]}, legal={"names": [None]},
+         run_good=False),   # starts rank processes
+    Case(A + "hangs.doctor",
+         lambda: dict(fn=lambda r, w: r, world_size=1, args=(), timeout=30.0),
+         ranges={"world_size": (1, 64)}, bad={"fn": [3], "timeout": [0.0, -1.0]},
+         skip={"args": "any sequence of arguments for the worker"},
+         run_good=False),   # starts rank processes
+]
+
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
 
-COVERED_ELSEWHERE: dict[str, str] = {
+_HANG_WORKERS = "tests/at_scale/test_hangs.py::test_workers_refuse_bad_arguments_on_every_rank"
+COVERED_ELSEWHERE: dict[str, str | list[str]] = {
+    **{A + f"hangs.{w}": _HANG_WORKERS
+       for w in ("wrong_order", "skipped_collective", "size_mismatch", "dtype_mismatch",
+                 "send_without_recv", "dead_rank", "silent_dtype", "silent_broadcast")},
+    A + "hangs.late_rank": [_HANG_WORKERS, "tests/at_scale/test_hangs.py::"
+                            "test_late_rank_refuses_a_bad_timeout_on_every_rank"],
     A + "traces.dp_step_worker": "tests/at_scale/test_traces.py::test_worker_refuses_on_every_rank",
     A + "traces.dp_timed_worker":
         "tests/at_scale/test_traces.py::test_timed_worker_times_each_step_and_refuses_bad_calls",
