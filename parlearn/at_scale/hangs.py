@@ -195,7 +195,9 @@ def _torch_says(err: RankError) -> str:
         if m:
             aspects = [" ".join(a.replace("vs", " vs ").replace("Tensor Tensor", "tensor")
                                 .split()) for a in re.split(r"\t|\s{2,}", m.group(3))]
-            aspects = "; ".join(a for a in aspects if a and "devices" not in a)
+            # (an aspect with nothing after "vs": the other rank's op has no tensor)
+            aspects = "; ".join(a for a in aspects
+                                if a and "devices" not in a and not a.endswith("vs"))
             return (f"Detected mismatch between collectives (rank {m.group(1)} vs rank "
                     f"{m.group(2)}): {aspects}")
     last = err.traceback.strip().splitlines()[-1] if err.traceback.strip() else "?"
@@ -216,7 +218,7 @@ def hang_zoo(names: Sequence[str] | None = None, world_size: int = 3, timeout: f
     own error when the same worker runs again under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
     (``"returned"`` if it caught nothing) and ``torch_seconds``, that run's wall time.
     Hangs that wait for the timeout cost about ``timeout`` seconds each: keep it a few
-    seconds (measured on 2 shared CPU cores: about 15 s for the whole zoo at
+    seconds (measured on 2 shared CPU cores: about 17 s for the whole zoo at
     ``timeout=2``, 30 s at 5, both runs of each hang included)."""
     zoo = {**HANGS, **SILENT}
     if names is None:

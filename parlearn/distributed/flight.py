@@ -27,6 +27,7 @@ debugging stuck jobs" tutorial), written small enough to read, and working on gl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import json
 import os
@@ -208,9 +209,7 @@ def read_records(folder: str | os.PathLike) -> dict[int, list[Call]]:
             except json.JSONDecodeError:
                 continue
             if "end" in row and row["seq"] in calls:
-                c = calls[row["seq"]]
-                calls[row["seq"]] = Call(c.seq, c.kind, c.nbytes, c.dtype, c.shape, c.peer,
-                                         c.group, c.note, row["end"])
+                calls[row["seq"]] = dataclasses.replace(calls[row["seq"]], outcome=row["end"])
             elif "kind" in row:
                 calls[row["seq"]] = Call(row["seq"], row["kind"], row["bytes"], row["dtype"],
                                          tuple(row["shape"]), row["peer"], row["group"],
