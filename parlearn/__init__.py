@@ -73,6 +73,7 @@ SHORT_NAMES: dict[str, str] = {
     "nmf": "elsewhere.nmf",
     # Part 5: running it for real
     "mfu": "at_scale.mfu",
+    "hangs": "at_scale.hangs",
     "checkpoint": "at_scale.checkpoint",
     "train": "at_scale.train",
 }

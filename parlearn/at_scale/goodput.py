@@ -64,7 +64,9 @@ def simulated_goodput(interval: float, cost: float, mtbf: float, restart: float 
     and saves after every ``interval`` seconds of work (each save ``cost`` seconds; none
     after the last). A failure strikes after an exponential amount of work of mean
     ``mtbf`` since the last (re)start; the work since the last save is lost, and the job
-    restarts (``restart`` seconds) from that save. Returns ``work / wall time``."""
+    restarts (``restart`` seconds) from that save. Returns ``work / wall time``; after
+    ``10**5`` failures it stops and returns the work done so far over the time so far
+    (where segments almost never complete, the job would not end)."""
     interval = check_float("interval", interval, lo=0, lo_open=True)
     cost = check_float("cost", cost, lo=0)
     mtbf = check_float("mtbf", mtbf, lo=0, lo_open=True)
@@ -74,7 +76,10 @@ def simulated_goodput(interval: float, cost: float, mtbf: float, restart: float 
     rng = random.Random(check_int("seed", seed, lo=0))
     done, wall = 0.0, setup
     clock = rng.expovariate(1 / mtbf)       # work until the next failure, from this start
+    failures = 0
     while done < work:
+        if failures >= 10**5:
+            return done / wall
         segment = min(interval, work - done)
         if segment <= clock:
             clock -= segment
@@ -85,6 +90,7 @@ def simulated_goodput(interval: float, cost: float, mtbf: float, restart: float 
             continue
         wall += clock + restart             # the partial segment is lost
         clock = rng.expovariate(1 / mtbf)
+        failures += 1
     return work / wall
 
 
@@ -104,8 +110,9 @@ def measured_goodput(every: int, mtbf_steps: float, *, steps: int = 40, seed: in
     failed attempts of their seconds outside steps and saves (start, load, noticing the
     dead rank, stopping the others): what a failure costs beyond the work it loses,
     "step_s": median step seconds of the failure-free run, "setup_s": its seconds
-    outside its steps, "wall_s", "clean_s"}``: every figure measured here. Rank 0's
-    figures are the ones reported."""
+    outside its steps, "wall_s", "clean_s", "param_diff": max |difference| between rank
+    0's final parameters with failures and without}``: every figure measured here. Rank
+    0's figures are the ones reported."""
     from parlearn.at_scale import checkpoint as ckpt
     from parlearn.at_scale.train import TrainSpec, train
     from parlearn.distributed import RankError
@@ -160,7 +167,10 @@ def measured_goodput(every: int, mtbf_steps: float, *, steps: int = 40, seed: in
     # start. Their median is the R of the model.
     costs = sorted([d - n * median - k * save_s for d, n, k in failed]
                    or [attempt_s - sum(ranks[0]["step_s"]) - sum(s[1] for s in ranks[0]["saves"])])
+    diff = max((ranks[0]["params"][n] - t).abs().max().item()
+               for n, t in clean[0]["params"].items())
     return {"goodput": steps * median / wall_s, "failures": failures, "steps_redone": redone,
+            "param_diff": diff,
             "save_s": save_s, "step_s": median, "setup_s": clean_setup,
             "restart_s": costs[len(costs) // 2],
             "wall_s": wall_s, "clean_s": clean_s, "every": every, "mtbf_steps": mtbf_steps}

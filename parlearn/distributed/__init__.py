@@ -8,6 +8,8 @@ module                 what it holds
 =====================  ====================================================================
 ``launch``             :func:`run`: k ranks of a ``torch.distributed`` group from a notebook
 ``traffic``            :func:`ledger`: every collective a rank issues, its bytes and time
+``flight``             the flight recorder and :func:`diagnose`: where each rank of a hung
+                       run waits, and why (``run(..., doctor=True)``)
 ``cost``               the alpha-beta model: closed forms per collective, the fit
 ``collectives``        ring all-reduce from send/recv, and the workers lesson 10 runs
 ``measure``            sweeps of real collectives, the fitted alpha-beta, ring vs gloo,
@@ -29,6 +31,7 @@ from parlearn.distributed.cost import (
     fit_alpha_beta,
     ring_bytes,
 )
+from parlearn.distributed.flight import Call, diagnose, read_records, recording
 from parlearn.distributed.launch import RankError, default_backend, device_for, run
 from parlearn.distributed.measure import (
     DEFAULT_SIZES,
@@ -44,4 +47,5 @@ from parlearn.distributed.traffic import Ledger, Record, ledger
 __all__ = ["run", "RankError", "device_for", "default_backend", "ledger", "Ledger", "Record",
            "AlphaBeta", "KINDS", "ALGORITHMS", "collective_time", "fit_alpha_beta", "ring_bytes",
            "sweep_collective", "measure_alpha_beta", "measure_links", "DEFAULT_SIZES", "Card",
-           "ring_vs_gloo", "other_load", "STUDY_SIZES"]
+           "ring_vs_gloo", "other_load", "STUDY_SIZES", "Call", "diagnose", "read_records",
+           "recording"]

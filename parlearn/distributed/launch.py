@@ -32,6 +32,7 @@ NCCL), through :mod:`parlearn.distributed.__main__`::
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import itertools
@@ -39,7 +40,10 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import re
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -49,7 +53,8 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from parlearn.core.checks import check_callable, check_choice, check_float, check_int
+from parlearn.core.checks import check_bool, check_callable, check_choice, check_float, check_int
+from parlearn.distributed import flight
 
 __all__ = ["run", "RankError", "device_for", "default_backend", "MAX_LOCAL_RANKS"]
 
@@ -64,14 +69,21 @@ _FAILURE_GRACE = 0.5
 class RankError(RuntimeError):
     """A rank of :func:`run` failed. ``rank`` is the first rank that failed, ``traceback``
     its traceback text, ``failures`` maps every rank that failed to its text, and
-    ``unfinished`` lists ranks still running when the run was stopped."""
+    ``unfinished`` lists ranks still running when the run was stopped. Under
+    ``run(..., doctor=True)``, ``diagnosis`` is the doctor's one line (also the first line of
+    the message; see :func:`parlearn.distributed.flight.diagnose`) and ``records`` each
+    rank's :class:`~parlearn.distributed.flight.Call` records; both are None otherwise."""
 
-    def __init__(self, rank: int, failures: dict[int, str], unfinished: Sequence[int]):
+    def __init__(self, rank: int, failures: dict[int, str], unfinished: Sequence[int],
+                 diagnosis: str | None = None, records: dict[int, list] | None = None):
         self.rank = rank
         self.traceback = failures[rank]
         self.failures = dict(failures)
         self.unfinished = list(unfinished)
-        lines = [f"rank {rank} failed:", self.traceback.rstrip()]
+        self.diagnosis = diagnosis
+        self.records = records
+        lines = [diagnosis] if diagnosis else []
+        lines += [f"rank {rank} failed:", self.traceback.rstrip()]
         for other, text in failures.items():
             if other != rank:
                 last = text.strip().splitlines()[-1] if text.strip() else "?"
@@ -117,26 +129,25 @@ def _importable(fn: Callable) -> str | None:
     return None
 
 
-# Last lines of errors torch.distributed raises in a rank because a PEER failed or hung.
-_PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting",
-                "timed out", "DistNetworkError", "Broken pipe")
-
-
 def _root_cause(failures: dict[int, str]) -> int:
     """The rank to blame: the first (in order of arrival) whose error is not a symptom of
     another rank's failure; else the first to fail."""
     for rank, text in failures.items():
         last = text.strip().splitlines()[-1] if text.strip() else ""
-        if not any(p in last for p in _PEER_ERRORS):
+        if not any(p in last for p in flight.PEER_ERRORS):
             return rank
     return next(iter(failures))
 
 
 def _child(fn: Callable, rank: int, world_size: int, args: tuple, backend: str,
-           timeout: float, port_conn, prefix: str, conn) -> None:
+           timeout: float, port_conn, prefix: str, conn, folder: str | None,
+           env: dict[str, str]) -> None:
     # One intra-op thread first: a forked child that touches the parent's OpenMP pool hangs.
     torch.set_num_threads(1)
     try:
+        os.environ.update(env)
+        if "TORCH_DISTRIBUTED_DEBUG" in env:
+            tdist.set_debug_level_from_env()  # torch read it once, at import (in the parent)
         if backend == "nccl":
             torch.cuda.set_device(rank)
         port = port_conn.recv()
@@ -153,11 +164,14 @@ def _child(fn: Callable, rank: int, world_size: int, args: tuple, backend: str,
         # once (a bad argument) must not leave while a peer is still connecting, or that
         # peer reports a broken connection instead of its own refusal.
         tdist.barrier()
-        payload = ("ok", fn(rank, world_size, *args))
-        if tdist.is_initialized():
-            # No rank leaves before all are done with the group: a rank that exits while a
-            # peer is still connecting to it (gloo builds its mesh lazily) fails that peer.
-            tdist.barrier()
+        with (flight.recording(folder, rank) if folder else contextlib.nullcontext()) as rec:
+            payload = ("ok", fn(rank, world_size, *args))
+            if tdist.is_initialized():
+                if rec is not None:
+                    rec.note(flight.END_OF_RUN)
+                # No rank leaves before all are done with the group: a rank that exits while
+                # a peer is still connecting to it (gloo builds its mesh lazily) fails that peer.
+                tdist.barrier()
         try:
             data = pickle.dumps(payload)
         except Exception:
@@ -228,12 +242,55 @@ def _collect(procs: list, conns: dict, results: dict, failures: dict,
             grace_at = time.monotonic() + _FAILURE_GRACE
 
 
+def _how_it_ended(rank: int, failures: dict[int, str], unfinished: Sequence[int]) -> str:
+    """How a rank ended, in the words :func:`flight.diagnose` reads."""
+    if rank in unfinished:
+        return "was still running when the run was stopped"
+    if rank not in failures:
+        return "returned"
+    text = failures[rank].strip()
+    died = re.match(r"(?:was )?(killed by signal \d+|exited with code -?\d+) without", text)
+    if died:
+        return died.group(1)
+    if text.startswith("still running after deadline"):
+        return "was still running at the deadline"
+    last = text.splitlines()[-1] if text else "?"
+    return "raised " + (last if len(last) <= 160 else last[:157] + "...")
+
+
+def _check_env(env: Any) -> dict[str, str]:
+    if env is None:
+        return {}
+    if not isinstance(env, dict) or not all(
+            isinstance(k, str) and k and "=" not in k and isinstance(v, str)
+            for k, v in env.items()):
+        raise TypeError(f"env must be a dict of environment variable names to str values, "
+                        f"got {env!r}")
+    level = env.get("TORCH_DISTRIBUTED_DEBUG")
+    if level is not None and level not in ("OFF", "INFO", "DETAIL"):
+        raise ValueError(f"env's TORCH_DISTRIBUTED_DEBUG must be OFF, INFO or DETAIL, "
+                         f"got {level!r}")
+    return dict(env)
+
+
+def _doctor(folder: str, world_size: int, failures: dict[int, str],
+            unfinished: Sequence[int]) -> tuple[str, dict[int, list]]:
+    records = {r: [] for r in range(world_size)}
+    try:
+        records.update(flight.read_records(folder))
+        exits = {r: _how_it_ended(r, failures, unfinished) for r in range(world_size)}
+        return flight.diagnose(records, exits), records
+    except Exception as err:  # the doctor must never hide the error it reports on
+        return f"the doctor could not read the records ({type(err).__name__}: {err})", records
+
+
 MAX_LOCAL_RANKS = 64
 
 
 def run(fn: Callable, world_size: int = 2, *, args: Sequence = (), backend: str | None = None,
         timeout: float = 30, start: str | None = None, deadline: float | None = None,
-        pids: list | None = None) -> list:
+        pids: list | None = None, doctor: bool = False, env: dict[str, str] | None = None,
+        records: dict | None = None) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their values.
 
     The group is initialised before ``fn`` starts (``torch.distributed.get_rank()`` works)
@@ -243,6 +300,15 @@ def run(fn: Callable, world_size: int = 2, *, args: Sequence = (), backend: str 
     ``args``). Return values must be picklable (return tensors detached, on the CPU).
     ``deadline`` (seconds, optional) bounds the whole run, for ranks that hang outside any
     collective. ``pids``, when given a list, receives the children's process ids.
+    ``doctor=True`` records every call each rank makes through ``torch.distributed``'s
+    Python API (:func:`parlearn.distributed.flight.recording`, from just before ``fn`` to
+    the barrier ``run`` issues after it) into a temporary folder, removed afterwards; on
+    failure the :class:`RankError` carries the doctor's one-line ``diagnosis`` of where each
+    rank waits and why (:func:`~parlearn.distributed.flight.diagnose`). ``records``, when
+    given a dict (and ``doctor=True``), receives each rank's records after a successful run
+    too: ``diagnose(records)`` then finds mismatches that did not hang. ``env`` (a dict of
+    str) is set in each child's environment before the group starts, e.g.
+    ``{"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}`` for torch's own checks of collectives.
     ``run`` does not reseed anything: forked ranks start with a copy of the caller's RNG
     state (the same on every rank), so a worker that wants different draws per rank seeds
     its own ``torch.Generator`` from its rank.
@@ -257,6 +323,13 @@ def run(fn: Callable, world_size: int = 2, *, args: Sequence = (), backend: str 
     timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     if deadline is not None:
         deadline = check_float("deadline", deadline, lo=0, lo_open=True)
+    doctor = check_bool("doctor", doctor)
+    env = _check_env(env)
+    if records is not None:
+        if not isinstance(records, dict):
+            raise TypeError(f"records must be a dict to fill or None, got {records!r}")
+        if not doctor:
+            raise ValueError("records needs doctor=True (only the doctor records calls)")
     if not isinstance(args, (tuple, list)):
         raise TypeError(f"args must be a tuple or list, got {type(args).__name__}")
     backend = default_backend(world_size) if backend is None else backend
@@ -287,13 +360,14 @@ def run(fn: Callable, world_size: int = 2, *, args: Sequence = (), backend: str 
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
     store = None
+    folder = tempfile.mkdtemp(prefix="parlearn-flight-") if doctor else None
     try:
         for rank in range(world_size):
             recv, send = ctx.Pipe(duplex=False)
             port_recv, port_send = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, name=f"parlearn-rank{rank}", daemon=True,
                             args=(fn, rank, world_size, tuple(args), backend, timeout,
-                                  port_recv, prefix, send))
+                                  port_recv, prefix, send, folder, env))
             with warnings.catch_warnings():
                 # Python >= 3.12 warns on fork from a threaded process; the child's first act
                 # (one intra-op thread) is what makes it safe for torch (module docstring).
@@ -323,7 +397,14 @@ def run(fn: Callable, world_size: int = 2, *, args: Sequence = (), backend: str 
             c.close()
         _stop(procs)
         del store
+        found = None
+        if folder is not None:
+            found = _doctor(folder, world_size, failures, unfinished)
+            shutil.rmtree(folder, ignore_errors=True)
+    if found is not None and records is not None:
+        records.update(found[1])
     if failures:
         raise RankError(_root_cause(failures), failures,
-                        [r for r in unfinished if r not in failures])
+                        [r for r in unfinished if r not in failures],
+                        *(found or (None, None)))
     return [results[r] for r in range(world_size)]

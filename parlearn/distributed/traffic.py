@@ -47,6 +47,15 @@ class Ledger:
         """Add a record by hand, e.g. from a DDP communication hook that torch calls from C++."""
         self.records.append(Record(kind, int(nbytes), float(seconds), int(ranks)))
 
+    def _watch(self, kind: str, args: tuple, kwargs: dict) -> Callable:
+        nbytes = _payload(kind, args, kwargs)
+        group = kwargs.get("group")
+
+        def end(seconds: float, error: BaseException | None) -> None:
+            ranks = tdist.get_world_size(group) if tdist.is_initialized() else 1
+            self.record(kind, nbytes, seconds, ranks)
+        return end
+
     def _of(self, kind: str | None) -> list[Record]:
         return [r for r in self.records if kind is None or r.kind == kind]
 
@@ -83,6 +92,7 @@ _PAYLOAD = {
     "all_gather_single": 0, "reduce_scatter": 1, "reduce_scatter_tensor": 1,
     "reduce_scatter_single": 1, "all_to_all": 1, "all_to_all_single": 1,
     "all_reduce_coalesced": 0, "barrier": None, "batch_isend_irecv": 0,
+    "monitored_barrier": None,
 }
 _KEYWORD = {"all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor",
             "send": "tensor", "recv": "tensor", "isend": "tensor", "irecv": "tensor",
@@ -93,39 +103,76 @@ _KEYWORD = {"all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor",
             "all_to_all_single": "input", "all_reduce_coalesced": "tensors",
             "batch_isend_irecv": "p2p_op_list"}
 
-_active: list[Ledger] = []
+# Who watches the collectives now: each watcher is called before a call with
+# ``(kind, args, kwargs)`` and returns what to call when it ends, with ``(seconds, error)``
+# (``error`` the exception it raised, else None). The ledger and the flight recorder are two.
+Watcher = Callable[[str, tuple, dict], Callable[[float, BaseException | None], None]]
+_watchers: list[Watcher] = []
 _originals: dict[str, Callable] = {}
 _inside = threading.local()
 
 
-def _payload(kind: str, args: tuple, kwargs: dict) -> int:
+def _payload_value(kind: str, args: tuple, kwargs: dict) -> Any:
     pos = _PAYLOAD[kind]
     if pos is None:
-        return 0
-    value = args[pos] if len(args) > pos else kwargs.get(_KEYWORD[kind])
+        return None
+    return args[pos] if len(args) > pos else kwargs.get(_KEYWORD[kind])
+
+
+def _payload(kind: str, args: tuple, kwargs: dict) -> int:
+    value = _payload_value(kind, args, kwargs)
     if kind == "batch_isend_irecv":
-        return sum(_nbytes(op.tensor) for op in value)
+        return sum(_nbytes(op.tensor) for op in value or ())
     return _nbytes(value)
 
 
-def _recording(kind: str, original: Callable) -> Callable:
+def _watched(kind: str, original: Callable) -> Callable:
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
         if getattr(_inside, "depth", 0):  # a collective called by another is not counted twice
             return original(*args, **kwargs)
-        nbytes = _payload(kind, args, kwargs)
-        group = kwargs.get("group")
+        ends = [watch(kind, args, kwargs) for watch in list(_watchers)]
         _inside.depth = 1
+        error = None
         t0 = time.perf_counter()
         try:
             return original(*args, **kwargs)
+        except BaseException as err:
+            error = err
+            raise
         finally:
             seconds = time.perf_counter() - t0
             _inside.depth = 0
-            ranks = tdist.get_world_size(group) if tdist.is_initialized() else 1
-            for led in _active:
-                led.record(kind, nbytes, seconds, ranks)
+            for end in ends:
+                end(seconds, error)
     return wrapper
+
+
+@contextlib.contextmanager
+def _watching(watcher: Watcher) -> Iterator[None]:
+    """Call ``watcher(kind, args, kwargs)`` before every collective this process issues
+    through ``torch.distributed``'s Python API inside the block, and what it returns with
+    ``(seconds, error)`` when the call ends (after an error too). The module attributes are
+    wrapped when the first watcher enters and restored when the last one leaves; a
+    collective that another one calls is seen once, as the outer call."""
+    check_callable("watcher", watcher)
+    if not _watchers:
+        c10d = tdist.distributed_c10d
+        for kind in _PAYLOAD:
+            if hasattr(c10d, kind):
+                _originals[kind] = getattr(c10d, kind)
+                replace_collective(kind, _originals[kind], _watched(kind, _originals[kind]))
+    _watchers.append(watcher)
+    try:
+        yield
+    finally:
+        _watchers.remove(watcher)
+        if not _watchers:
+            for kind, original in _originals.items():
+                for mod in (tdist, tdist.distributed_c10d):
+                    if getattr(getattr(mod, kind, None), "__wrapped__", None) is original:
+                        setattr(mod, kind, original)
+            _originals.clear()
 
 
 def replace_collective(kind: str, old: Callable, new: Callable) -> None:
@@ -151,27 +198,13 @@ def ledger() -> Iterator[Ledger]:
     ``bytes`` is the payload as passed: the tensor for all_reduce, broadcast, reduce,
     send/recv/isend/irecv; the OUTPUT for all_gather(_into_tensor, _single) (the whole
     gathered tensor); the INPUT for reduce_scatter(_tensor, _single) and all_to_all(_single);
-    what this rank contributes for gather and receives for scatter; 0 for barrier. Wire
+    what this rank contributes for gather and receives for scatter; 0 for barrier and
+    monitored_barrier. Wire
     traffic under a given algorithm is :func:`ring_bytes`. Calls ``torch`` makes from C++
     (DDP's gradient buckets) and functional collectives (DTensor) are not seen: count
     those with ``torch.distributed.tensor.debug.CommDebugMode`` or :meth:`Ledger.record`.
     Async calls (``async_op=True``, isend, irecv) are timed at issue only.
     """
     led = Ledger()
-    if not _active:
-        c10d = tdist.distributed_c10d
-        for kind in _PAYLOAD:
-            if hasattr(c10d, kind):
-                _originals[kind] = getattr(c10d, kind)
-                replace_collective(kind, _originals[kind], _recording(kind, _originals[kind]))
-    _active.append(led)
-    try:
+    with _watching(led._watch):
         yield led
-    finally:
-        _active.remove(led)
-        if not _active:
-            for kind, original in _originals.items():
-                for mod in (tdist, tdist.distributed_c10d):
-                    if getattr(getattr(mod, kind, None), "__wrapped__", None) is original:
-                        setattr(mod, kind, original)
-            _originals.clear()

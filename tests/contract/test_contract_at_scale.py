@@ -120,6 +120,7 @@ CASES += [
          run_good=False),   # starts rank processes
 ]
 
+
 def _shape(**kw):
     from parlearn.mesh import MeshShape
 
@@ -166,12 +167,47 @@ CASES += [
          bad={"before": [(2, 1, 1), "dp=2"], "after": [None, 3], "at": [0, 2, True],
               "directory": [3]},
          legal={"directory": [None]}, run_good=False),   # starts rank processes twice
+    Case(A + "goodput.young_daly", lambda: dict(cost=30.0, mtbf=3600.0),
+         bad={"cost": [0.0, -1.0], "mtbf": [0.0, -1.0]},   # open at 0: no range
+         check=lambda r, kw: math.isclose(r, math.sqrt(2 * kw["cost"] * kw["mtbf"]))),
+    Case(A + "goodput.modeled_goodput",
+         lambda: dict(interval=600.0, cost=30.0, mtbf=3600.0, restart=120.0),
+         ranges={"cost": (0.0, None), "restart": (0.0, None)},
+         bad={"interval": [0.0, -1.0], "mtbf": [0.0, -1.0]},
+         check=lambda r, kw: 0 < r <= 1),
+    Case(A + "goodput.simulated_goodput",
+         lambda: dict(interval=60.0, cost=5.0, mtbf=3600.0, restart=60.0, work=7200.0,
+                      setup=0.0, seed=0),
+         ranges={"cost": (0.0, None), "restart": (0.0, None), "seed": (0, None),
+                 "setup": (0.0, None)},
+         bad={"interval": [0.0, -1.0], "mtbf": [0.0, -1.0], "work": [0.0, -1.0]},
+         check=lambda r, kw: 0 < r <= 1),
+    Case(A + "goodput.measured_goodput",
+         lambda: dict(every=2, mtbf_steps=10.0, steps=8, seed=0, max_restarts=5),
+         ranges={"every": (1, None), "steps": (1, None), "seed": (0, None),
+                 "max_restarts": (0, None)},
+         bad={"mtbf_steps": [0.0, -1.0]},
+         run_good=False),   # starts rank processes, many times
 ]
 
 
+CASES += [
+    Case(A + "hangs.hang_zoo",
+         lambda: dict(names=["dead_rank"], world_size=3, timeout=2.0, torch_says=False),
+         ranges={"world_size": (2, 16), "timeout": (0.5, 60.0)},
+         bad={"names": [[], "dead_rank", ["nope"], [3]]}, legal={"names": [None]},
+         run_good=False),   # starts rank processes
+    Case(A + "hangs.doctor",
+         lambda: dict(fn=lambda r, w: r, world_size=1, args=(), timeout=30.0),
+         ranges={"world_size": (1, 64)}, bad={"fn": [3], "timeout": [0.0, -1.0]},
+         skip={"args": "any sequence of arguments for the worker"},
+         run_good=False),   # starts rank processes
+]
+
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
 
-COVERED_ELSEWHERE: dict[str, str] = {
+_HANG_WORKERS = "tests/at_scale/test_hangs.py::test_workers_refuse_bad_arguments_on_every_rank"
+COVERED_ELSEWHERE: dict[str, str | list[str]] = {
     A + "checkpoint.state": "tests/at_scale/test_checkpoint.py::"
                             "test_the_rank_functions_refuse_what_is_not_a_mesh_rank",
     A + "checkpoint.modeled_bytes": "tests/at_scale/test_checkpoint.py::"
@@ -185,6 +221,11 @@ COVERED_ELSEWHERE: dict[str, str] = {
         "tests/at_scale/test_train.py::test_the_command_line_refuses_nccl_and_bad_flags",
     "parlearn.multi_device.mesh.composed.MeshRank": "tests/at_scale/test_checkpoint.py::"
         "test_mesh_rank_and_save_refuse_bad_calls_on_every_rank",
+    **{A + f"hangs.{w}": _HANG_WORKERS
+       for w in ("wrong_order", "skipped_collective", "size_mismatch", "dtype_mismatch",
+                 "send_without_recv", "dead_rank", "silent_dtype", "silent_broadcast")},
+    A + "hangs.late_rank": [_HANG_WORKERS, "tests/at_scale/test_hangs.py::"
+                            "test_late_rank_refuses_a_bad_timeout_on_every_rank"],
     A + "traces.dp_step_worker": "tests/at_scale/test_traces.py::test_worker_refuses_on_every_rank",
     A + "traces.dp_timed_worker":
         "tests/at_scale/test_traces.py::test_timed_worker_times_each_step_and_refuses_bad_calls",

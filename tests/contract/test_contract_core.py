@@ -94,6 +94,12 @@ def _hello():
     return hello
 
 
+
+def _call():
+    from parlearn.distributed.flight import Call
+
+    return Call(1, "all_reduce", 8, "float32", (2,), None, 2, "", "ok")
+
 CASES = [
     Case("parlearn.core.basics.amdahl", lambda: dict(serial_fraction=0.1, workers=8),
          ranges={"serial_fraction": (0.0, 1.0), "workers": (1, None)}, check=_amdahl_exact,
@@ -213,9 +219,23 @@ CASES = [
          ranges={"rank": (0, None), "numel": (0, None), "seed": (0, None)},
          bad={"dtype": [torch.int64]}),
     Case("parlearn.distributed.launch.run",
-         lambda: dict(fn=_hello(), world_size=2, timeout=20.0, backend="gloo", start="fork"),
+         lambda: dict(fn=_hello(), world_size=2, timeout=20.0, backend="gloo", start="fork",
+                      doctor=False, env=None, records=None),
          ranges={"world_size": (1, 64)}, run_good=False,
-         bad={"fn": [3], "backend": ["mpi-x"], "start": ["teleport"], "timeout": [0.0, -1.0]}),
+         bad={"fn": [3], "backend": ["mpi-x"], "start": ["teleport"], "timeout": [0.0, -1.0],
+              "env": [{"A": 1}, "A=1", {"TORCH_DISTRIBUTED_DEBUG": "LOUD"}],
+              "records": [3, {}]},   # {} without doctor=True
+         legal={"env": [None], "records": [None]}),
+    Case("parlearn.distributed.flight.recording", lambda: dict(folder="/tmp", rank=0),
+         ranges={"rank": (0, None)}, bad={"folder": [3, "/no/such/folder"]}),
+    Case("parlearn.distributed.flight.read_records", lambda: dict(folder="/tmp"),
+         bad={"folder": [3, "/no/such/folder"]}, check=lambda r, kw: isinstance(r, dict)),
+    Case("parlearn.distributed.flight.diagnose",
+         lambda: dict(records_by_rank={0: [_call()], 1: [_call()]}, exits=None),
+         bad={"records_by_rank": [{}, [], {0: [3]}, {-1: []}, {0: "calls"}],
+              "exits": [{5: "returned"}, {0: 3}, "returned"]},
+         legal={"exits": [None]},
+         check=lambda r, kw: r == "the 2 ranks agree on all 1 calls, and every call returned"),
     Case("parlearn.core.viz.timeline",
          lambda: dict(ax=_ax(), events=[("rank 0", "chain 1", 0.0, 0.5),
                                         ("rank 1", "wgrad 1", 0.2, 0.4)], title="t"),
@@ -315,6 +335,9 @@ EXEMPT: dict[str, str] = {
     "parlearn.distributed.traffic.ledger": "takes no arguments: a context manager recording",
     "parlearn.distributed.traffic.Ledger": "takes no arguments; the ledger() block builds it",
     "parlearn.distributed.traffic.Record": "a record the ledger writes; users only read it",
+    "parlearn.distributed.flight.Call": "a record the flight recorder writes; users read it",
+    "parlearn.distributed.flight.FlightRecorder": "built by recording(); users only call "
+                                                  "note(text), checked there",
     "parlearn.core.timing.Timing": "a result record measure() builds; users only read it",
     "parlearn.core.timing.Comparison": "a result record compare() builds; users only read it",
     "parlearn.distributed.agree.describe": "takes any object and returns a summary of it",
