@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from parlearn.at_scale.traces import _QuietStderr
 from parlearn.core.checks import check_bool, check_float, check_int
 from parlearn.distributed import RankError, diagnose, run
 
@@ -209,7 +210,7 @@ _DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
 
 
 def hang_zoo(names: Sequence[str] | None = None, world_size: int = 3, timeout: float = 5.0,
-             *, torch_says: bool = True) -> list[dict[str, Any]]:
+             *, torch_says: bool = True, quiet: bool = True) -> list[dict[str, Any]]:
     """Run each hang of :data:`HANGS` and :data:`SILENT` (``names`` None: all) on
     ``world_size`` ranks with the group timeout ``timeout`` (seconds) and the doctor on;
     return one row per hang: ``name``, ``what`` it is, how it ``ended`` ("RankError" or
@@ -219,7 +220,9 @@ def hang_zoo(names: Sequence[str] | None = None, world_size: int = 3, timeout: f
     (``"returned"`` if it caught nothing) and ``torch_seconds``, that run's wall time.
     Hangs that wait for the timeout cost about ``timeout`` seconds each: keep it a few
     seconds (measured on 2 shared CPU cores: about 17 s for the whole zoo at
-    ``timeout=2``, 30 s at 5, both runs of each hang included)."""
+    ``timeout=2``, 30 s at 5, both runs of each hang included). ``quiet`` sends what the
+    ranks' C++ code prints (gloo's aborts, torch's monitored-barrier lines) to /dev/null:
+    every rank's error still reaches the rows, through :class:`RankError`."""
     zoo = {**HANGS, **SILENT}
     if names is None:
         names = list(zoo)
@@ -231,6 +234,10 @@ def hang_zoo(names: Sequence[str] | None = None, world_size: int = 3, timeout: f
     world_size = check_int("world_size", world_size, lo=2, hi=16)
     torch_says = check_bool("torch_says", torch_says)
     timeout = check_float("timeout", timeout, lo=0.5, hi=60)
+    quiet = check_bool("quiet", quiet)
+    if quiet:
+        with _QuietStderr():   # the ranks are forked inside: they inherit the quiet stderr
+            return hang_zoo(names, world_size, timeout, torch_says=torch_says, quiet=False)
     rows = []
     for name in names:
         worker, what = zoo[name]

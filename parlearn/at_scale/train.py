@@ -14,7 +14,7 @@ the end. Because a step's batch is a function of the seed and the step number, a
 run takes exactly the steps the uninterrupted run would have taken: its final parameters
 equal the uninterrupted run's (float64, to round-off).
 
-``--fail-at S --fail-rank R`` kills rank R with SIGKILL as step S begins, on the job's
+``--fail-at S --fail-rank R`` kills rank R with SIGKILL after S steps, on the job's
 FIRST attempt only (``TORCHELASTIC_RESTART_COUNT`` is 0): ``torchrun --max-restarts 1``
 then stops the other ranks, starts all of them again, and they resume from the last
 checkpoint. The steps after that checkpoint are the work lost.
@@ -56,8 +56,8 @@ class TrainSpec:
     tiny GPT with ``d_model``, ``n_layers``, ``n_heads``. Optimizer: Adam with ``lr``,
     ZeRO stage ``zero`` (0 or 1) over dp; ``sp`` sequence parallelism inside TP.
     ``ckpt``: a folder for checkpoints (None: none); ``every``: save every that many steps
-    (0: only at the end). ``fail_at``/``fail_rank``: an injected SIGKILL (first attempt
-    only). ``peak_tflops``: one rank's peak, for MFU. ``log``: print a line per step.
+    (0: only at the end). ``fail_at``/``fail_rank``: an injected SIGKILL of that rank
+    after ``fail_at`` steps (first attempt only). ``peak_tflops``: one rank's peak, for MFU. ``log``: print a line per step.
     """
 
     dp: int = 1
@@ -168,7 +168,7 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec) -> dict:
     batches = train_batches(spec.steps, spec.batch, spec.seq, spec.seed)
     for step in range(start, spec.steps):
         if step == spec.fail_at and rank == spec.fail_rank and _attempt() == 0:
-            lines.append(f"step {step}: injected failure, SIGKILL to rank {rank}")
+            lines.append(f"after {step} steps: injected failure, SIGKILL to rank {rank}")
             if spec.log:   # the dying rank says it, whichever rank logs the steps
                 _say(lines[-1])
             os.kill(os.getpid(), signal.SIGKILL)

@@ -117,3 +117,11 @@ def test_workers_refuse_bad_arguments_on_every_rank(worker):
 def test_late_rank_refuses_a_bad_timeout_on_every_rank():
     for bad in (0.0, True, float("nan")):
         assert_refused_on_every_rank(hangs.late_rank, (bad,), name="seconds", timeout=T)
+
+
+def test_hang_zoo_quiet_keeps_the_ranks_c_plus_plus_noise_out_of_stderr(capfd):
+    rows = hangs.hang_zoo(["size_mismatch"], world_size=3, timeout=T, torch_says=False)
+    assert "different sizes" in rows[0]["diagnosis"]
+    assert "Received data size" not in capfd.readouterr().err
+    hangs.hang_zoo(["size_mismatch"], world_size=3, timeout=T, torch_says=False, quiet=False)
+    assert "Received data size" in capfd.readouterr().err   # gloo's abort, when not quiet

@@ -37,7 +37,7 @@ def test_a_rank_killed_under_torchrun_restarts_resumes_and_ends_where_the_undist
                     "--fail-at", "3", "--fail-rank", "1", restarts=1)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     log = out.stdout
-    assert "step 3: injected failure, SIGKILL to rank 1" in log
+    assert "after 3 steps: injected failure, SIGKILL to rank 1" in log
     assert "attempt 1, resumed from step 2" in log          # the last save before the kill
     assert log.count("step     3/6") == 2                   # step 3 ran twice: the work lost
     final = ckpt.load_full(ckpt.step_dir(tmp_path, 6))

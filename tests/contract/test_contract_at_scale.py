@@ -193,7 +193,8 @@ CASES += [
 
 CASES += [
     Case(A + "hangs.hang_zoo",
-         lambda: dict(names=["dead_rank"], world_size=3, timeout=2.0, torch_says=False),
+         lambda: dict(names=["dead_rank"], world_size=3, timeout=2.0, torch_says=False,
+                      quiet=True),
          ranges={"world_size": (2, 16), "timeout": (0.5, 60.0)},
          bad={"names": [[], "dead_rank", ["nope"], [3]]}, legal={"names": [None]},
          run_good=False),   # starts rank processes
