@@ -57,7 +57,8 @@ class TrainSpec:
     ZeRO stage ``zero`` (0 or 1) over dp; ``sp`` sequence parallelism inside TP.
     ``ckpt``: a folder for checkpoints (None: none); ``every``: save every that many steps
     (0: only at the end). ``fail_at``/``fail_rank``: an injected SIGKILL of that rank
-    after ``fail_at`` steps (first attempt only). ``peak_tflops``: one rank's peak, for MFU. ``log``: print a line per step.
+    after ``fail_at`` steps (first attempt only). ``peak_tflops``: one rank's peak, for
+    MFU. ``log``: print a line per step.
     """
 
     dp: int = 1
@@ -162,6 +163,8 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec) -> dict:
 
     say(f"parlearn.train: {spec.shape} on {world_size} ranks, attempt {_attempt()}, "
         + (f"resumed from step {start} ({found[1]})" if found else "fresh start"))
+    if start >= spec.steps:
+        say(f"nothing to do: the checkpoint is at step {start}, steps={spec.steps}")
     tokens = spec.batch * spec.seq
     flops = tokens * flops_per_token(spec.cfg, spec.seq)
     out: dict = {"coords": me.coords, "start": start, "loss": {}, "step_s": [], "saves": []}
