@@ -200,8 +200,11 @@ def dp_step_worker(rank: int, world_size: int, kind: str, steps: int = 3,
                    widths: Sequence[int] = (256, 1024, 1024, 10), bucket_bytes: int = 2**20,
                    seed: int = 0) -> int:
     """Worker: ``steps`` SGD steps of an MLP under ``kind`` (``"naive"``, ``"bucketed"``
-    data parallelism from lesson 11, or ``"ddp"``, torch's), each phase labelled for the
-    trace (``forward``, ``backward``, ``optimizer``). Returns the number of steps."""
+    data parallelism from lesson 11, ``"ddp"``, torch's, or ``"zero3"``: the MLP under
+    :func:`parlearn.sharding.shard_module`, lesson 12's FSDP-style wrapper, which
+    all-gathers each layer's parameters in forward and again in backward and
+    reduce-scatters its gradient), each phase labelled for the trace (``forward``,
+    ``backward``, ``optimizer``). Returns the number of steps."""
     _dp_steps(rank, world_size, kind, steps, widths, bucket_bytes, seed, None)
     return steps
 
@@ -219,12 +222,19 @@ def _dp_steps(rank, world_size, kind, steps, widths, bucket_bytes, seed, times) 
     from parlearn.core.models import mlp
     from parlearn.multi_device.data_parallel import ddp as D
 
-    check_choice("kind", kind, ("naive", "bucketed", "ddp"))
+    check_choice("kind", kind, ("naive", "bucketed", "ddp", "zero3"))
     steps = check_int("steps", steps, lo=1)
     model = mlp(list(widths), seed=seed, dtype=torch.float32)
+
+    def zero3():
+        from parlearn.multi_device.sharding import shard_module
+
+        return shard_module(model)     # the optimizer below then steps this rank's shards
+
     wrapped = {"naive": lambda: D.NaiveDP(model, record=False),
                "bucketed": lambda: D.BucketedDP(model, bucket_bytes=bucket_bytes, record=False),
-               "ddp": lambda: D.make_ddp(model, bucket_bytes=bucket_bytes)}[kind]()
+               "ddp": lambda: D.make_ddp(model, bucket_bytes=bucket_bytes),
+               "zero3": zero3}[kind]()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(seed + 1 + rank)
     x = torch.randn(32, widths[0], generator=g)

@@ -63,7 +63,7 @@ def test_bad_traces_are_refused():
         T.step_windows([_x("forward", 0, 1)])
 
 
-@pytest.mark.parametrize("kind", ["naive", "bucketed"])
+@pytest.mark.parametrize("kind", ["naive", "bucketed", "zero3"])
 def test_real_ranks_traces_add_up(kind, tmp_path):
     res = T.profile_ranks(T.dp_step_worker, 2, args=(kind, 2, (32, 64, 10), 512),
                           out_dir=str(tmp_path))
