@@ -8,8 +8,10 @@ module                 what it holds
 =====================  ====================================================================
 ``launch``             :func:`run`: k ranks of a ``torch.distributed`` group from a notebook
 ``traffic``            :func:`ledger`: every collective a rank issues, its bytes and time
-``flight``             the flight recorder and :func:`diagnose`: where each rank of a hung
-                       run waits, and why (``run(..., doctor=True)``)
+``flight``             the flight recorder: every call each rank makes, written before it
+                       starts (``run(..., doctor=True)``)
+``diagnosis``          :func:`diagnose` reads those records: where each rank of a hung run
+                       waits, and why
 ``cost``               the alpha-beta model: closed forms per collective, the fit
 ``collectives``        ring all-reduce from send/recv, and the workers lesson 10 runs
 ``measure``            sweeps of real collectives, the fitted alpha-beta, ring vs gloo,
@@ -31,7 +33,8 @@ from parlearn.distributed.cost import (
     fit_alpha_beta,
     ring_bytes,
 )
-from parlearn.distributed.flight import Call, diagnose, read_records, recording
+from parlearn.distributed.diagnosis import Call, diagnose
+from parlearn.distributed.flight import read_records, recording
 from parlearn.distributed.launch import RankError, default_backend, device_for, run
 from parlearn.distributed.measure import (
     DEFAULT_SIZES,

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as tdist
 
 from parlearn.core.checks import check_bool, check_callable, check_choice, check_float, check_int
-from parlearn.distributed import flight
+from parlearn.distributed import diagnosis, flight
 
 __all__ = ["run", "RankError", "device_for", "default_backend", "MAX_LOCAL_RANKS"]
 
@@ -71,8 +71,8 @@ class RankError(RuntimeError):
     its traceback text, ``failures`` maps every rank that failed to its text, and
     ``unfinished`` lists ranks still running when the run was stopped. Under
     ``run(..., doctor=True)``, ``diagnosis`` is the doctor's one line (also the first line of
-    the message; see :func:`parlearn.distributed.flight.diagnose`) and ``records`` each
-    rank's :class:`~parlearn.distributed.flight.Call` records; both are None otherwise."""
+    the message; see :func:`parlearn.distributed.diagnosis.diagnose`) and ``records`` each
+    rank's :class:`~parlearn.distributed.diagnosis.Call` records; both are None otherwise."""
 
     def __init__(self, rank: int, failures: dict[int, str], unfinished: Sequence[int],
                  diagnosis: str | None = None, records: dict[int, list] | None = None):
@@ -134,7 +134,7 @@ def _root_cause(failures: dict[int, str]) -> int:
     another rank's failure; else the first to fail."""
     for rank, text in failures.items():
         last = text.strip().splitlines()[-1] if text.strip() else ""
-        if not any(p in last for p in flight.PEER_ERRORS):
+        if not any(p in last for p in diagnosis.PEER_ERRORS):
             return rank
     return next(iter(failures))
 
@@ -168,7 +168,7 @@ def _child(fn: Callable, rank: int, world_size: int, args: tuple, backend: str,
             payload = ("ok", fn(rank, world_size, *args))
             if tdist.is_initialized():
                 if rec is not None:
-                    rec.note(flight.END_OF_RUN)
+                    rec.note(diagnosis.END_OF_RUN)
                 # No rank leaves before all are done with the group: a rank that exits while
                 # a peer is still connecting to it (gloo builds its mesh lazily) fails that peer.
                 tdist.barrier()
@@ -243,7 +243,7 @@ def _collect(procs: list, conns: dict, results: dict, failures: dict,
 
 
 def _how_it_ended(rank: int, failures: dict[int, str], unfinished: Sequence[int]) -> str:
-    """How a rank ended, in the words :func:`flight.diagnose` reads."""
+    """How a rank ended, in the words :func:`diagnosis.diagnose` reads."""
     if rank in unfinished:
         return "was still running when the run was stopped"
     if rank not in failures:
@@ -279,7 +279,7 @@ def _doctor(folder: str, world_size: int, failures: dict[int, str],
     try:
         records.update(flight.read_records(folder))
         exits = {r: _how_it_ended(r, failures, unfinished) for r in range(world_size)}
-        return flight.diagnose(records, exits), records
+        return diagnosis.diagnose(records, exits), records
     except Exception as err:  # the doctor must never hide the error it reports on
         return f"the doctor could not read the records ({type(err).__name__}: {err})", records
 
@@ -304,7 +304,7 @@ def run(fn: Callable, world_size: int = 2, *, args: Sequence = (), backend: str 
     Python API (:func:`parlearn.distributed.flight.recording`, from just before ``fn`` to
     the barrier ``run`` issues after it) into a temporary folder, removed afterwards; on
     failure the :class:`RankError` carries the doctor's one-line ``diagnosis`` of where each
-    rank waits and why (:func:`~parlearn.distributed.flight.diagnose`). ``records``, when
+    rank waits and why (:func:`~parlearn.distributed.diagnosis.diagnose`). ``records``, when
     given a dict (and ``doctor=True``), receives each rank's records after a successful run
     too: ``diagnose(records)`` then finds mismatches that did not hang. ``env`` (a dict of
     str) is set in each child's environment before the group starts, e.g.

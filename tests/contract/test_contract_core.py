@@ -96,7 +96,7 @@ def _hello():
 
 
 def _call():
-    from parlearn.distributed.flight import Call
+    from parlearn.distributed.diagnosis import Call
 
     return Call(1, "all_reduce", 8, "float32", (2,), None, 2, "", "ok")
 
@@ -230,7 +230,7 @@ CASES = [
          ranges={"rank": (0, None)}, bad={"folder": [3, "/no/such/folder"]}),
     Case("parlearn.distributed.flight.read_records", lambda: dict(folder="/tmp"),
          bad={"folder": [3, "/no/such/folder"]}, check=lambda r, kw: isinstance(r, dict)),
-    Case("parlearn.distributed.flight.diagnose",
+    Case("parlearn.distributed.diagnosis.diagnose",
          lambda: dict(records_by_rank={0: [_call()], 1: [_call()]}, exits=None),
          bad={"records_by_rank": [{}, [], {0: [3]}, {-1: []}, {0: "calls"}],
               "exits": [{5: "returned"}, {0: 3}, "returned"]},
@@ -335,7 +335,7 @@ EXEMPT: dict[str, str] = {
     "parlearn.distributed.traffic.ledger": "takes no arguments: a context manager recording",
     "parlearn.distributed.traffic.Ledger": "takes no arguments; the ledger() block builds it",
     "parlearn.distributed.traffic.Record": "a record the ledger writes; users only read it",
-    "parlearn.distributed.flight.Call": "a record the flight recorder writes; users read it",
+    "parlearn.distributed.diagnosis.Call": "a record the flight recorder writes; users read it",
     "parlearn.distributed.flight.FlightRecorder": "built by recording(); users only call "
                                                   "note(text), checked there",
     "parlearn.core.timing.Timing": "a result record measure() builds; users only read it",

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from parlearn import dist
-from parlearn.distributed import flight, traffic
-from parlearn.distributed.flight import END_OF_RUN, Call, diagnose
+from parlearn.distributed import diagnosis, flight, traffic
+from parlearn.distributed.diagnosis import END_OF_RUN, Call, diagnose
 
 T = 20  # group timeout (s) for runs that should succeed
 
@@ -27,6 +27,13 @@ def _c(seq, kind="all_reduce", nbytes=64, dtype="float32", outcome="ok", **kw):
 
 def _end(seq, outcome=""):
     return Call(seq, "barrier", 0, "", (), None, 3, END_OF_RUN, outcome)
+
+
+def test_the_doctor_is_reexported_where_it_was():
+    """diagnose, Call and END_OF_RUN live in diagnosis; flight and dist still hand them out."""
+    for name in ("diagnose", "Call", "END_OF_RUN"):
+        assert getattr(flight, name) is getattr(diagnosis, name), name
+    assert dist.diagnose is diagnose and dist.Call is Call
 
 
 def _prefix(n, **kw):
@@ -150,7 +157,7 @@ def test_one_rank_diverging_after_a_common_prefix_is_named(prefix, world, data):
     if world > 2:   # with two ranks there is no majority: both are named, either first
         assert text.startswith(f"rank {odd} ") or f" rank {odd} " in text or \
             f"on rank {odd}" in text, text
-        assert dist.flight._ranks(others) in text, text
+        assert diagnosis._ranks(others) in text, text
     if how == "skips":
         assert f"{'rank' if world == 2 else 'ranks'}" in text and "end of the run" in text
     if how == "dies":

@@ -585,10 +585,26 @@ def test_dp_wrappers_refuse_bad_arguments_naming_them_before_any_rank_work():
         D.make_ddp(net, bucket_bytes=True)
     bn = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
     for wrap in (D.NaiveDP, D.BucketedDP, D.CompressedDP):
-        with pytest.raises(ValueError, match="BatchNorm1d"):
-            wrap(bn)
+        for mode in (True, False):   # in eval mode too: the wrapped model will be trained
+            with pytest.raises(ValueError, match="BatchNorm1d"):
+                wrap(bn.train(mode))
     for kind in ("zero", True, 1):
         with pytest.raises(ValueError, match="kind"):
             D.worker_train(0, 1, kind, net, [], [], 0.1)
     with pytest.raises((TypeError, ValueError), match="accum"):
         D.worker_train(0, 1, "naive", net, [], [], 0.1, accum=0)
+
+
+def test_refuse_batch_statistics_refuses_any_batchnorm_or_only_one_in_training_mode():
+    """The DP wrappers, ZeRO and backup workers refuse every BatchNorm; shard_module passes
+    ``training_only=True``: one in eval mode normalises by its running statistics."""
+    from parlearn.multi_device.data_parallel.ddp import refuse_batch_statistics
+
+    bn = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    with pytest.raises(ValueError, match=r"BatchNorm1d at '1': NaiveDP averages"):
+        refuse_batch_statistics(bn.eval(), "NaiveDP")
+    refuse_batch_statistics(bn.eval(), "shard_module", training_only=True)
+    with pytest.raises(ValueError, match=r"BatchNorm1d at '1' in training mode: shard_module"):
+        refuse_batch_statistics(bn.train(), "shard_module", training_only=True)
+    refuse_batch_statistics(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2)),
+                            "NaiveDP")

@@ -165,6 +165,17 @@ def test_bad_arguments_fail_on_every_rank_naming_them(which, name):
     assert_refused_on_every_rank(_bad, (which,), name=name)
 
 
+def _eval_batchnorm(rank: int, world: int) -> bool:
+    model = zoo.build("batchnorm").eval()
+    return hasattr(shard_module(model), "fsdp")
+
+
+def test_batchnorm_in_eval_mode_is_sharded():
+    """Only BatchNorm in training mode is refused (above): in eval mode it normalises by its
+    running statistics, not by each rank's batch."""
+    assert dist.run(_eval_batchnorm, 2, timeout=30) == [True, True]
+
+
 def test_policy_refuses_non_float_dtypes():
     with pytest.raises(TypeError, match="param_dtype"):
         MixedPrecisionPolicy(param_dtype=torch.int32)

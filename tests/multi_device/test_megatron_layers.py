@@ -26,14 +26,28 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
-def _column(rank: int, world: int, gather: bool) -> dict:
-    g = torch.Generator().manual_seed(1)
+def _full_linear(data_seed: int, seed: int) -> tuple:
+    """``(x, w, full, xf)``: an input ``x``, weights ``w`` of the loss ``<full(x), w>``, the
+    full layer from ``seed`` and the leaf ``xf``, both holding that loss's gradients."""
+    g = torch.Generator().manual_seed(data_seed)
     x, w = torch.randn(BATCH, IN, generator=g, dtype=F64), torch.randn(BATCH, OUT, generator=g,
                                                                         dtype=F64)
-    part = slice(rank * OUT // world, (rank + 1) * OUT // world)
-    full = tp.serial_linear(IN, OUT, seed=3, dtype=F64)
+    full = tp.serial_linear(IN, OUT, seed=seed, dtype=F64)
     xf = x.clone().requires_grad_(True)
     (full(xf) * w).sum().backward()
+    return x, w, full, xf
+
+
+def _dtensor(world: int, module: torch.nn.Module, style) -> torch.nn.Module:
+    """``module`` split over a 1-D mesh of ``world`` CPU ranks by DTensor's ``style``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    return parallelize_module(module, init_device_mesh("cpu", (world,)), style)
+
+
+def _column(rank: int, world: int, gather: bool) -> dict:
+    x, w, full, xf = _full_linear(1, seed=3)
+    part = slice(rank * OUT // world, (rank + 1) * OUT // world)
 
     layer = tp.MegatronColumnParallelLinear(IN, OUT, gather_output=gather, seed=3, dtype=F64)
     xs = x.clone().requires_grad_(True)
@@ -47,12 +61,10 @@ def _column(rank: int, world: int, gather: bool) -> dict:
            "db": _err(layer.bias.grad, full.bias.grad[part]),
            "init": _err(layer.weight, full.weight[part])}
 
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-    mesh = init_device_mesh("cpu", (world,))
+    from torch.distributed.tensor.parallel import ColwiseParallel
     style = ColwiseParallel(output_layouts=Replicate()) if gather else ColwiseParallel()
-    ref = parallelize_module(tp.serial_linear(IN, OUT, seed=3, dtype=F64), mesh, style)
+    ref = _dtensor(world, tp.serial_linear(IN, OUT, seed=3, dtype=F64), style)
     xd = x.clone().requires_grad_(True)
     yd = ref(xd)
     (yd * (w if gather else w[:, part])).sum().backward()
@@ -63,13 +75,8 @@ def _column(rank: int, world: int, gather: bool) -> dict:
 
 
 def _row(rank: int, world: int, parallel_in: bool) -> dict:
-    g = torch.Generator().manual_seed(2)
-    x, w = torch.randn(BATCH, IN, generator=g, dtype=F64), torch.randn(BATCH, OUT, generator=g,
-                                                                        dtype=F64)
+    x, w, full, xf = _full_linear(2, seed=4)
     part = slice(rank * IN // world, (rank + 1) * IN // world)
-    full = tp.serial_linear(IN, OUT, seed=4, dtype=F64)
-    xf = x.clone().requires_grad_(True)
-    (full(xf) * w).sum().backward()
 
     layer = tp.MegatronRowParallelLinear(IN, OUT, input_is_parallel=parallel_in, seed=4,
                                          dtype=F64)
@@ -82,12 +89,10 @@ def _row(rank: int, world: int, parallel_in: bool) -> dict:
            "db": _err(layer.bias.grad, full.bias.grad),
            "init": _err(layer.weight, full.weight[:, part])}
 
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
-    mesh = init_device_mesh("cpu", (world,))
+    from torch.distributed.tensor.parallel import RowwiseParallel
     style = RowwiseParallel() if parallel_in else RowwiseParallel(input_layouts=Replicate())
-    ref = parallelize_module(tp.serial_linear(IN, OUT, seed=4, dtype=F64), mesh, style)
+    ref = _dtensor(world, tp.serial_linear(IN, OUT, seed=4, dtype=F64), style)
     xd = (x[:, part] if parallel_in else x).clone().requires_grad_(True)
     yd = ref(xd)
     (yd * w).sum().backward()
@@ -113,12 +118,10 @@ def _embedding(rank: int, world: int) -> dict:
                                           and (ids >= VOCAB // world).any()))}
 
     # DTensor's row-wise split of an nn.Embedding is the vocabulary-parallel embedding.
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
-    mesh = init_device_mesh("cpu", (world,))
-    ref = parallelize_module(tp.serial_embedding(VOCAB, DIM, seed=6, dtype=F64), mesh,
-                             RowwiseParallel(input_layouts=Replicate()))
+    from torch.distributed.tensor.parallel import RowwiseParallel
+    ref = _dtensor(world, tp.serial_embedding(VOCAB, DIM, seed=6, dtype=F64),
+                   RowwiseParallel(input_layouts=Replicate()))
     yd = ref(ids)
     (yd * w).sum().backward()
     out.update(dt_y=_err(y, yd),

@@ -115,6 +115,19 @@ def _cfg(cfg: GPTConfig, seq: int) -> GPTConfig:
 _OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
 
 
+def _check_train_args(cfg: GPTConfig, steps: int, batch: int, seq: int, lr: float, seed: int,
+                      layout: str, scheme: str) -> tuple[GPTConfig, int, int, int, float, int]:
+    """Refuse, naming the argument, what :func:`cp_train` and its worker cannot run; the
+    checked ``(cfg, steps, batch, seq, lr, seed)``."""
+    steps, batch, seq = (check_int(n, v, lo=1) for n, v in
+                         (("steps", steps), ("batch", batch), ("seq", seq)))
+    check_choice("layout", layout, LAYOUTS)
+    check_choice("scheme", scheme, tuple(_ATTENTION))
+    lr = check_float("lr", lr, lo=0, lo_open=True)
+    seed = check_int("seed", seed, lo=0)
+    return _cfg(cfg, seq), steps, batch, seq, lr, seed
+
+
 def serial_train(cfg: GPTConfig, *, steps: int = 3, batch: int = 2, seq: int = 16,
                  lr: float = 1e-2, seed: int = 0, optimizer: str = "adamw") -> dict:
     """The reference: the same GPT (float64), data and ``optimizer`` steps ("adamw" or
@@ -144,13 +157,8 @@ def cp_train_worker(rank: int, world_size: int, cfg: GPTConfig, steps: int, batc
     before the first message (:func:`cp_train` gives every rank the same ones)."""
     world_size = check_int("world_size", world_size, lo=1)
     rank = check_int("rank", rank, lo=0, hi=world_size - 1)
-    steps, batch, seq = (check_int(n, v, lo=1) for n, v in
-                         (("steps", steps), ("batch", batch), ("seq", seq)))
-    check_choice("layout", layout, LAYOUTS)
-    check_choice("scheme", scheme, tuple(_ATTENTION))
-    lr = check_float("lr", lr, lo=0, lo_open=True)
-    seed = check_int("seed", seed, lo=0)
-    cfg = _cfg(cfg, seq)
+    cfg, steps, batch, seq, lr, seed = _check_train_args(cfg, steps, batch, seq, lr, seed,
+                                                         layout, scheme)
     model = GPT(cfg, dtype=torch.float64)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     pos = shard_index(seq, world_size, rank, layout)
@@ -177,12 +185,8 @@ def cp_train(cfg: GPTConfig, world_size: int = 2, *, steps: int = 3, batch: int 
     from parlearn.distributed import run
 
     world_size = check_int("world_size", world_size, lo=2)
-    steps, batch, seq = (check_int(n, v, lo=1) for n, v in
-                         (("steps", steps), ("batch", batch), ("seq", seq)))
-    check_choice("layout", layout, LAYOUTS)
-    check_choice("scheme", scheme, tuple(_ATTENTION))
-    lr = check_float("lr", lr, lo=0, lo_open=True)
-    seed = check_int("seed", seed, lo=0)
+    cfg, steps, batch, seq, lr, seed = _check_train_args(cfg, steps, batch, seq, lr, seed,
+                                                         layout, scheme)
     timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     return run(cp_train_worker, world_size, timeout=timeout,
-               args=(_cfg(cfg, seq), steps, batch, seq, lr, seed, layout, scheme))
+               args=(cfg, steps, batch, seq, lr, seed, layout, scheme))

@@ -52,17 +52,21 @@ __all__ = ["NaiveDP", "BucketedDP", "CompressedDP", "make_ddp", "TiedMLP", "trai
            "shard", "worker_train"]
 
 
-def refuse_batch_statistics(module: nn.Module, who: str) -> None:
+def refuse_batch_statistics(module: nn.Module, who: str, *,
+                            training_only: bool = False) -> None:
     """Raise ``ValueError`` naming the first BatchNorm in ``module``: its statistics are of
     each rank's shard (and its running buffers drift apart), so data parallelism over it
-    would not equal one process on the whole batch."""
+    would not equal one process on the whole batch. With ``training_only``, only one in
+    training mode is refused (in eval mode it normalises by its running statistics, not by
+    the batch's)."""
     for name, m in module.named_modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or not training_only):
+            mode = " in training mode" if training_only else ""
             raise ValueError(
-                f"module has {type(m).__name__} at {name!r}: {who} averages gradients, but "
-                "batch statistics computed on each rank's shard differ from the whole "
+                f"module has {type(m).__name__} at {name!r}{mode}: {who} averages gradients, "
+                "but batch statistics computed on each rank's shard differ from the whole "
                 "batch's (and running buffers drift apart), so it would not train as one "
-                "process; use LayerNorm/GroupNorm, or torch's DDP with SyncBatchNorm")
+                "process; use LayerNorm/GroupNorm, or SyncBatchNorm with torch's DDP or FSDP")
 
 
 def check_same_on_every_rank(module: nn.Module, group, who: str) -> None:

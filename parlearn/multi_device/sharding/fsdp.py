@@ -371,14 +371,6 @@ def _default_units(module: nn.Module) -> list[nn.Module]:
     return [*dict.fromkeys(out), module]
 
 
-def _refuse_batch_statistics(module: nn.Module) -> None:
-    for name, m in module.named_modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
-            raise ValueError(f"module has {type(m).__name__} at {name!r} in training mode: its "
-                             "batch statistics would be each rank's, not the whole batch's; use "
-                             "LayerNorm/GroupNorm or SyncBatchNorm with torch's FSDP")
-
-
 def shard_module(module: nn.Module, *, group: Any = None,
                  mp_policy: MixedPrecisionPolicy | None = None,
                  units: Sequence[nn.Module] | None = None,
@@ -411,7 +403,8 @@ def shard_module(module: nn.Module, *, group: Any = None,
                              "its parameters could not be gathered: pass its children")
     if module not in units:
         units.append(module)
-    _refuse_batch_statistics(module)
+    from parlearn.multi_device.data_parallel.ddp import refuse_batch_statistics
+    refuse_batch_statistics(module, "shard_module", training_only=True)
     keys: dict[int, Hashable] = {}
     for name, p in module.named_parameters():
         keys[id(p)] = None if flat_by is None or not p.requires_grad else flat_by(name, p)

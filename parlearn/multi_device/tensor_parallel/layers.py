@@ -230,6 +230,35 @@ def _setup(fields: dict[str, Any], checks: Callable[[], None], group: Any,
     return where
 
 
+def _linear_shard(in_features: Any, out_features: Any, bias: Any, flag: tuple[str, Any],
+                  group: Any, init_method: Any, seed: Any, dtype: Any, *,
+                  split: str) -> tuple[int, nn.Linear, slice]:
+    """The Megatron linear layers' shared set-up: check their arguments (and the layer's own
+    bool ``flag = (name, value)``) and agree on them with every rank of ``group``, then build
+    the full :func:`serial_linear`. ``(world, full, part)``: ``part`` is the slice of the
+    ``split`` dimension (``"in_features"`` or ``"out_features"``) this rank holds."""
+    flag_name, flag_value = flag
+
+    def checks() -> None:
+        check_int("in_features", in_features, lo=1)
+        check_int("out_features", out_features, lo=1)
+        check_bool("bias", bias)
+        check_bool(flag_name, flag_value)
+        if init_method is not None:
+            check_callable("init_method", init_method)
+        check_int("seed", seed, lo=0)
+        _check_dtype(dtype)
+
+    fields = {"in_features": in_features, "out_features": out_features, "bias": bias,
+              flag_name: flag_value, "seed": seed, "dtype": str(dtype),
+              "init_method": _name_of(init_method)}
+    n = {"in_features": in_features, "out_features": out_features}[split]
+    rank, world = _setup(fields, checks, group, (split, n))
+    full = serial_linear(in_features, out_features, bias, seed=seed, dtype=dtype,
+                         init_method=init_method)
+    return world, full, slice(rank * n // world, (rank + 1) * n // world)
+
+
 # ---------------------------------------------------------------------------------------
 # The layers.
 
@@ -246,24 +275,9 @@ class MegatronColumnParallelLinear(nn.Module):
                  init_method: Callable[[torch.Tensor], Any] | None = None, seed: int = 0,
                  dtype: torch.dtype = torch.float32):
         super().__init__()
-
-        def checks() -> None:
-            check_int("in_features", in_features, lo=1)
-            check_int("out_features", out_features, lo=1)
-            check_bool("bias", bias)
-            check_bool("gather_output", gather_output)
-            if init_method is not None:
-                check_callable("init_method", init_method)
-            check_int("seed", seed, lo=0)
-            _check_dtype(dtype)
-
-        fields = dict(in_features=in_features, out_features=out_features, bias=bias,
-                      gather_output=gather_output, seed=seed, dtype=str(dtype),
-                      init_method=_name_of(init_method))
-        rank, world = _setup(fields, checks, group, ("out_features", out_features))
-        full = serial_linear(in_features, out_features, bias, seed=seed, dtype=dtype,
-                             init_method=init_method)
-        part = slice(rank * out_features // world, (rank + 1) * out_features // world)
+        _, full, part = _linear_shard(in_features, out_features, bias,
+                                      ("gather_output", gather_output), group, init_method,
+                                      seed, dtype, split="out_features")
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.group = gather_output, group
         self.weight = nn.Parameter(full.weight.detach()[part].clone())
@@ -291,24 +305,9 @@ class MegatronRowParallelLinear(nn.Module):
                  init_method: Callable[[torch.Tensor], Any] | None = None, seed: int = 0,
                  dtype: torch.dtype = torch.float32):
         super().__init__()
-
-        def checks() -> None:
-            check_int("in_features", in_features, lo=1)
-            check_int("out_features", out_features, lo=1)
-            check_bool("bias", bias)
-            check_bool("input_is_parallel", input_is_parallel)
-            if init_method is not None:
-                check_callable("init_method", init_method)
-            check_int("seed", seed, lo=0)
-            _check_dtype(dtype)
-
-        fields = dict(in_features=in_features, out_features=out_features, bias=bias,
-                      input_is_parallel=input_is_parallel, seed=seed, dtype=str(dtype),
-                      init_method=_name_of(init_method))
-        rank, world = _setup(fields, checks, group, ("in_features", in_features))
-        full = serial_linear(in_features, out_features, bias, seed=seed, dtype=dtype,
-                             init_method=init_method)
-        part = slice(rank * in_features // world, (rank + 1) * in_features // world)
+        world, full, part = _linear_shard(in_features, out_features, bias,
+                                          ("input_is_parallel", input_is_parallel), group,
+                                          init_method, seed, dtype, split="in_features")
         self.in_features, self.out_features, self.world = in_features, out_features, world
         self.input_is_parallel, self.group = input_is_parallel, group
         self.weight = nn.Parameter(full.weight.detach()[:, part].clone())
