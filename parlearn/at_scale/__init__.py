@@ -6,6 +6,7 @@ module              what it holds
 ``mfu``             MFU you can trust: peaks, FLOP counts, utilisation, an audit
 ``traces``          profiler traces of real ranks: compute, exposed communication, idle
 ``overlap``         how much communication hides behind compute, measured and modeled
+``plan_trace``      the planner's predicted step beside the measured trace, part by part
 ``hangs``           the classic hangs on real ranks, each diagnosed by the flight recorder
 ``checkpoint``      sharded checkpoints (``torch.distributed.checkpoint``) that reshard
 ``train``           the mesh trainer under ``torchrun``: checkpoints, resume, a killed rank

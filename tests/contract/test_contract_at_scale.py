@@ -205,10 +205,49 @@ CASES += [
          run_good=False),   # starts rank processes
 ]
 
+def _pred(**kw):
+    from parlearn.card import Card
+    from parlearn.transformer import GPTConfig
+
+    from parlearn.distributed.cost import AlphaBeta
+    from parlearn.multi_device.mesh.planner import Cluster, Plan, TinyGPT, predict
+
+    links = {f"{k}@{n}": AlphaBeta(1e-5, 1e-9) for k in ("all_gather", "reduce_scatter", "p2p")
+             for n in (2, 4)}
+    card = Card(name="synthetic", measured=False, links=links,
+                flops={"float64": 1e9, "bfloat16": 1e9}, mem_bw=1e10, memory=1e12, devices=4)
+    cfg = GPTConfig(d_model=16, n_heads=4, n_layers=2, max_seq=16)
+    return predict(TinyGPT(cfg, 8, 16), Plan(**kw), Cluster(card, gpus_per_node=4))
+
+
+def _cfg16():
+    from parlearn.transformer import GPTConfig
+
+    return GPTConfig(d_model=16, n_heads=4, n_layers=2, max_seq=16)
+
+
+CASES += [
+    Case(A + "plan_trace.split_step", lambda: dict(trace=_trace(), window=(0.0, 0.04)),
+         bad={"trace": [3, {"traceEvents": 3}], "window": [(0.04, 0.0), "all", (1.0,)]},
+         check=lambda r, kw: abs(sum(r[k] for k in ("compute", "tp", "dp", "pipeline"))
+                                 - r["step"]) < 1e-12),
+    Case(A + "plan_trace.plan_vs_trace",
+         lambda: dict(cfg=_cfg16(), pred=_pred(dp=2, micro_batch=2), batch=8, seq=16, steps=2,
+                      out_dir="/tmp/parlearn-x", timeout=60.0),
+         ranges={"steps": (2, None)},
+         bad={"pred": [3, "dp2"], "batch": [0, 3], "out_dir": [3, None], "seq": [0, 17],
+              "timeout": [0.0, -1.0], "cfg": [3, "gpt"]},
+         legal={"out_dir": ["no such /tmp/parlearn-x"]},   # made when missing
+         run_good=False),   # starts rank processes
+]
+
+
 test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
 
 _HANG_WORKERS = "tests/at_scale/test_hangs.py::test_workers_refuse_bad_arguments_on_every_rank"
 COVERED_ELSEWHERE: dict[str, str | list[str]] = {
+    A + "plan_trace.mesh_profile_worker": "tests/at_scale/test_plan_trace.py::"
+                                          "test_the_profile_worker_refuses_bad_calls_on_every_rank",
     A + "checkpoint.state": "tests/at_scale/test_checkpoint.py::"
                             "test_the_rank_functions_refuse_what_is_not_a_mesh_rank",
     A + "checkpoint.modeled_bytes": "tests/at_scale/test_checkpoint.py::"

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 from parlearn.core.checks import (
@@ -299,48 +300,37 @@ class MeshRank:
         """One training step on the whole batch ``(idx, tgt)`` (each ``(batch, seq)``, the
         same on every rank). Returns ``{"loss": the batch's mean loss (last stage; None
         elsewhere), "seconds": the step's wall time, "records": {"pipe", "embedding", "dp"}:
-        the ledger records of each phase}``."""
-        from parlearn.distributed import ledger
-
+        the ledger records of each phase}``. For ``torch.profiler`` the step is labelled
+        ``step``, each micro-batch's forward and backward ``forward`` and ``backward``, and
+        the update ``optimizer`` (:mod:`parlearn.at_scale.plan_trace` reads them)."""
         check_tensor("idx", idx, shape=(self.batch, self.seq), dtype=torch.int64)
         check_tensor("tgt", tgt, shape=(self.batch, self.seq), dtype=torch.int64)
-        model, mb, shard = self.model, self.mb, self.shard
+        with record_function("step"):
+            out = self._step(idx, tgt)
+        # The loss for the log: outside the timed, labelled step (no update depends on it).
+        if self.model.last:
+            total = torch.tensor(sum(self._losses), dtype=torch.float64)
+            if self.sp and self.shape.tp > 1:
+                tdist.all_reduce(total, group=self.tp_group)
+            tdist.all_reduce(total, group=self.dp_group)
+            out["loss"] = float(total) / self.shape.dp
+        return out
+
+    def _step(self, idx: torch.Tensor, tgt: torch.Tensor) -> dict:
+        from parlearn.distributed import ledger
+
+        model, mb = self.model, self.mb
         lo = self.replica * self.local_b
         idx, tgt = idx[lo:lo + self.local_b], tgt[lo:lo + self.local_b]
         self.opt.zero_grad()
-        inputs, outputs, sends, live, loss = {}, {}, [], {}, 0.0
+        inputs, outputs, sends, live = {}, {}, [], {}
+        self._losses: list[float] = []
         t0 = time.perf_counter()
         with ledger() as pipe_led:  # p2p is the pipeline's; the rest is TP's
             for op in self.ops:
                 rows = slice(op.mb * mb, (op.mb + 1) * mb)
-                if op.kind == "F":
-                    if model.first:
-                        x = idx[rows]
-                    else:
-                        x = torch.empty(self.act_shape, dtype=torch.float64)
-                        tdist.recv(x, self.prev, tag=op.mb)
-                        x.requires_grad_(True)
-                    nbytes, y = _saved_bytes(model, lambda x=x, t=tgt[rows]: model(
-                        x, shard, t, float(self.local_b * self.seq)))
-                    live[op.mb] = nbytes
-                    self.act_peak = max(self.act_peak, sum(live.values()))
-                    self.act_per_mb = nbytes
-                    inputs[op.mb], outputs[op.mb] = x, y
-                    if self.nxt is not None:
-                        sends.append((tdist.isend(y.detach(), self.nxt, tag=op.mb), y))
-                else:
-                    y = outputs.pop(op.mb)
-                    if model.last:
-                        loss += float(y.detach())
-                        y.backward()
-                    else:
-                        g = torch.empty_like(y)
-                        tdist.recv(g, self.nxt, tag=op.mb)
-                        y.backward(g)
-                    x = inputs.pop(op.mb)
-                    live.pop(op.mb)
-                    if self.prev is not None:
-                        sends.append((tdist.isend(x.grad, self.prev, tag=op.mb), x))
+                with record_function("forward" if op.kind == "F" else "backward"):
+                    self._op(op, rows, idx, tgt, inputs, outputs, sends, live)
             for work, _ in sends:
                 work.wait()
             if self.sp and self.shape.tp > 1:  # partial sums of replicated parameters' grads
@@ -349,19 +339,44 @@ class MeshRank:
         with ledger() as emb_led:
             if self.emb_group is not None:
                 tdist.all_reduce(model.tok.weight.grad, group=self.emb_group)
-        with ledger() as dp_led:
+        with ledger() as dp_led, record_function("optimizer"):
             self.opt.step()
         seconds = time.perf_counter() - t0
-        mean = None
-        if model.last:
-            total = torch.tensor(loss, dtype=torch.float64)
-            if self.sp and self.shape.tp > 1:
-                tdist.all_reduce(total, group=self.tp_group)
-            tdist.all_reduce(total, group=self.dp_group)
-            mean = float(total) / self.shape.dp
-        return {"loss": mean, "seconds": seconds,
+        return {"loss": None, "seconds": seconds,
                 "records": {"pipe": pipe_led.records, "embedding": emb_led.records,
                             "dp": dp_led.records}}
+
+    def _op(self, op, rows, idx, tgt, inputs, outputs, sends, live) -> None:
+        """One forward (F) or backward (B) of one micro-batch, with its messages."""
+        model = self.model
+        if op.kind == "F":
+            if model.first:
+                x = idx[rows]
+            else:
+                x = torch.empty(self.act_shape, dtype=torch.float64)
+                tdist.recv(x, self.prev, tag=op.mb)
+                x.requires_grad_(True)
+            nbytes, y = _saved_bytes(model, lambda x=x, t=tgt[rows]: model(
+                x, self.shard, t, float(self.local_b * self.seq)))
+            live[op.mb] = nbytes
+            self.act_peak = max(self.act_peak, sum(live.values()))
+            self.act_per_mb = nbytes
+            inputs[op.mb], outputs[op.mb] = x, y
+            if self.nxt is not None:
+                sends.append((tdist.isend(y.detach(), self.nxt, tag=op.mb), y))
+            return
+        y = outputs.pop(op.mb)
+        if model.last:
+            self._losses.append(float(y.detach()))
+            y.backward()
+        else:
+            g = torch.empty_like(y)
+            tdist.recv(g, self.nxt, tag=op.mb)
+            y.backward(g)
+        x = inputs.pop(op.mb)
+        live.pop(op.mb)
+        if self.prev is not None:
+            sends.append((tdist.isend(x.grad, self.prev, tag=op.mb), x))
 
 
 def mesh_train_worker(rank: int, world_size: int, cfg: GPTConfig, shape: MeshShape, steps: int,

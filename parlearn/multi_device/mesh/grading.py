@@ -87,9 +87,10 @@ def grade(cfg: GPTConfig, card, *, world: int = 4, batch: int = 8, seq: int = 16
     with one thread: each rank runs one), run the best plan of each of the top ``top``
     meshes and the worst plan, and compare.
     Returns ``{"rows": [...], "tau", "memory_error", "ranks", "cores", "card"}``; each row
-    has the plan, predicted and measured step time and memory, the prediction's parts, and
-    the measured run's MFU: model FLOPs ``3 F`` per step over the step time and the cores'
-    rate (the card's one-thread matmul rate times the cores the ranks share)."""
+    has the plan, predicted and measured step time and memory, the prediction's parts (and
+    the :class:`Prediction` itself, ``"prediction"``), and the measured run's MFU: model
+    FLOPs ``3 F`` per step over the step time and the cores' rate (the card's one-thread
+    matmul rate times the cores the ranks share)."""
     from tqdm.auto import tqdm
 
     world = check_int("world", world, lo=1)
@@ -125,7 +126,8 @@ def grade(cfg: GPTConfig, card, *, world: int = 4, batch: int = 8, seq: int = 16
                      "predicted_s": pred.step_s, "measured_s": got["step_s"],
                      "spread": got["spread"], "predicted_bytes": pred.memory["total"],
                      "measured_bytes": got["memory"], "parts": pred.time,
-                     "mfu": 3 * work.forward_flops() / got["step_s"] / peak})
+                     "mfu": 3 * work.forward_flops() / got["step_s"] / peak,
+                     "prediction": pred})
     tau = (kendall_tau([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
            if len(rows) > 1 else float("nan"))
     mem_err = max(abs(r["predicted_bytes"] - r["measured_bytes"]) / r["measured_bytes"]
