@@ -27,7 +27,7 @@ import statistics
 
 from parlearn.core.checks import check_int
 
-__all__ = ["PARTS", "P2P", "split_step", "mesh_profile_worker", "plan_vs_trace"]
+__all__ = ["PARTS", "P2P", "split_step", "plan_vs_trace"]
 
 PARTS = ("compute", "tp", "dp", "pipeline")
 
@@ -46,16 +46,14 @@ def split_step(trace, window: tuple[float, float]) -> dict[str, float]:
         _length,
         _load,
         _union,
+        _window,
         spans,
     )
 
-    if (not isinstance(window, tuple) or len(window) != 2
-            or not float(window[0]) < float(window[1])):
-        raise ValueError(f"window must be a (start, end) pair with start < end, got {window!r}")
+    w = _window(window)
     events = _load(trace)
     collective_names = {e["name"] for e in events if isinstance(e.get("name"), str)
                         and e["name"].startswith(COMM_PREFIXES) and e["name"] not in P2P}
-    w = [(float(window[0]), float(window[1]))]
     comp = _intersect(_union(spans(events, (), COMPUTE_PREFIXES)), w)
     comm = _intersect(_union(spans(events, collective_names)), w)
     opt = _intersect(_union(spans(events, ("optimizer",))), w)
@@ -84,55 +82,31 @@ def _minus(xs, ys) -> list[tuple[float, float]]:
     return out
 
 
-def mesh_profile_worker(rank: int, world_size: int, cfg, shape, steps: int, batch: int,
-                        seq: int, micro_batches: int, zero: int, recompute: str) -> int:
-    """Worker: ``steps`` steps of :class:`parlearn.mesh.MeshRank` (which labels its phases
-    for the profiler) on the same batches as :func:`parlearn.mesh.mesh_train`. Returns
-    ``steps``."""
-    from parlearn.multi_device.context_parallel.gpt import train_batches
-    from parlearn.multi_device.mesh.composed import MeshRank, check_train_args
-
-    check_train_args(cfg, shape, steps, batch, seq, micro_batches, 1e-2, 0, True, zero,
-                     recompute, "1f1b")
-    me = MeshRank(rank, cfg, shape, batch=batch, seq=seq, micro_batches=micro_batches,
-                  zero=zero, recompute=recompute)
-    for idx, tgt in train_batches(steps, batch, seq, 0):
-        me.step(idx, tgt)
-    return steps
-
-
 def plan_vs_trace(cfg, pred, *, batch: int, seq: int, steps: int = 4, out_dir: str,
                   timeout: float = 120) -> dict:
     """Run ``pred.plan`` (a :class:`parlearn.planner.Prediction` of the tiny GPT ``cfg``,
     ``batch`` sequences of ``seq`` tokens) on real gloo ranks under the profiler, traces in
     ``out_dir``. Returns ``{"predicted": {part: seconds}, "measured": {part: seconds} of
     the slowest rank's median step, "ranks": every rank's median-step split, "traces":
-    paths}``; ``predicted["pipeline"]`` is the planner's pp + bubble (and cp, 0 here)."""
+    paths, "median_step": the median over ranks of their median step}``;
+    ``predicted["pipeline"]`` is the planner's pp + bubble (and cp, 0 here). The ranks run
+    :func:`parlearn.mesh.mesh_train_worker`, the worker :func:`parlearn.mesh.grading.
+    measure_plan` times."""
     from parlearn.at_scale.traces import profile_ranks, step_windows
-    from parlearn.multi_device.mesh.composed import check_plan
-    from parlearn.multi_device.mesh.layout import MeshShape
-    from parlearn.multi_device.mesh.planner import Prediction
+    from parlearn.multi_device.mesh.composed import check_train_args, mesh_train_worker
+    from parlearn.multi_device.mesh.grading import plan_mesh
 
-    if not isinstance(pred, Prediction):
-        raise TypeError(f"pred must be a Prediction (from parlearn.planner.predict or "
-                        f"rank_plans), got {type(pred).__name__}")
+    shape, micro_batches = plan_mesh(pred, batch)
     steps = check_int("steps", steps, lo=2)     # the first step warms up and is left out
-    batch = check_int("batch", batch, lo=1)
-    seq = check_int("seq", seq, lo=1)
     if not isinstance(out_dir, str | os.PathLike):
         raise TypeError(f"out_dir must be a path, got {out_dir!r}")
     plan = pred.plan
-    if plan.cp != 1:
-        raise ValueError(f"plan {plan} has cp={plan.cp}: the mesh trainer has no cp axis")
-    if batch % (plan.dp * plan.micro_batch):
-        raise ValueError(f"batch={batch} must be a multiple of the plan's dp * micro_batch = "
-                         f"{plan.dp} * {plan.micro_batch}")
-    shape = MeshShape(plan.dp, plan.tp, plan.pp)
-    check_plan(cfg, shape, batch, seq, batch // (plan.dp * plan.micro_batch), True)
-    runs = profile_ranks(mesh_profile_worker, shape.world,
-                         args=(cfg, shape, steps, batch, seq,
-                               batch // (plan.dp * plan.micro_batch), plan.zero,
-                               plan.recompute), out_dir=str(out_dir), timeout=timeout)
+    # mesh_train's own defaults (lr 1e-2, seed 0, SP, 1F1B), as measure_plan runs it.
+    args = (cfg, shape, steps, batch, seq, micro_batches, 1e-2, 0, True, plan.zero,
+            plan.recompute, "1f1b")
+    check_train_args(*args)
+    runs = profile_ranks(mesh_train_worker, shape.world, args=args, out_dir=str(out_dir),
+                         timeout=timeout)
     ranks = []
     for _, path in runs:
         parts = sorted((split_step(path, w) for w in step_windows(path, "step", "step")[1:]),

@@ -99,6 +99,14 @@ def _intersect(xs, ys) -> list[tuple[float, float]]:
     return out
 
 
+def _window(window) -> list[tuple[float, float]]:
+    """``window`` checked (a ``(start, end)`` pair, start < end) as a one-interval list."""
+    if (not isinstance(window, tuple) or len(window) != 2
+            or not float(window[0]) < float(window[1])):
+        raise ValueError(f"window must be a (start, end) pair with start < end, got {window!r}")
+    return [(float(window[0]), float(window[1]))]
+
+
 def breakdown(trace, *, compute_prefixes: Iterable[str] = COMPUTE_PREFIXES,
               comm_prefixes: Iterable[str] = COMM_PREFIXES, phases: Iterable[str] = PHASES,
               window: tuple[float, float] | None = None) -> dict[str, float]:
@@ -111,11 +119,9 @@ def breakdown(trace, *, compute_prefixes: Iterable[str] = COMPUTE_PREFIXES,
         marks = spans(trace, phases) or comp + comm
         if not marks:
             raise ValueError("trace has no phase labels, operators or collective spans")
-        window = (min(a for a, _ in marks), max(b for _, b in marks))
-    elif (not isinstance(window, tuple) or len(window) != 2
-          or not float(window[0]) < float(window[1])):
-        raise ValueError(f"window must be a (start, end) pair with start < end, got {window!r}")
-    w = [(float(window[0]), float(window[1]))]
+        w = [(min(a for a, _ in marks), max(b for _, b in marks))]
+    else:
+        w = _window(window)
     comp, comm = _intersect(comp, w), _intersect(comm, w)
     hidden = _length(_intersect(comp, comm))
     total, c, m = w[0][1] - w[0][0], _length(comp), _length(comm)

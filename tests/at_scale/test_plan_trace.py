@@ -75,14 +75,12 @@ def test_a_plan_on_real_ranks_splits_into_parts_that_add_up(dp, tp, pp, tmp_path
     assert res["predicted"]["step"] == pytest.approx(t["total"], rel=1e-12)
 
 
-def test_the_profile_worker_refuses_bad_calls_on_every_rank():
-    from parlearn.mesh import MeshShape
-    from parlearn.transformer import GPTConfig
-    from ranks import assert_refused_on_every_rank
+def test_a_plan_with_context_parallelism_is_refused_not_run_without_it():
+    from parlearn import card
+    from parlearn.multi_device.mesh.grading import plan_mesh
+    from parlearn.multi_device.mesh.planner import Cluster, LlamaWorkload, Plan, predict
 
-    cfg = GPTConfig(d_model=16, n_heads=4, n_layers=2, max_seq=16)
-    assert_refused_on_every_rank(PT.mesh_profile_worker,
-                                 (cfg, MeshShape(dp=2), 2, 7, 16, 2, 1, "none"), name="batch")
-    assert_refused_on_every_rank(PT.mesh_profile_worker,
-                                 (cfg, MeshShape(dp=2), 2, 8, 16, 2, 1, "some"),
-                                 name="recompute")
+    pred = predict(LlamaWorkload("llama3-8b", batch=64, seq=4096), Plan(dp=2, cp=2),
+                   Cluster(card.preset("h100-8x-nvlink"), 8))
+    with pytest.raises(ValueError, match="cp=2"):
+        plan_mesh(pred, 64)

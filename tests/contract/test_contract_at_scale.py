@@ -246,8 +246,6 @@ test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
 
 _HANG_WORKERS = "tests/at_scale/test_hangs.py::test_workers_refuse_bad_arguments_on_every_rank"
 COVERED_ELSEWHERE: dict[str, str | list[str]] = {
-    A + "plan_trace.mesh_profile_worker": "tests/at_scale/test_plan_trace.py::"
-                                          "test_the_profile_worker_refuses_bad_calls_on_every_rank",
     A + "checkpoint.state": "tests/at_scale/test_checkpoint.py::"
                             "test_the_rank_functions_refuse_what_is_not_a_mesh_rank",
     A + "checkpoint.modeled_bytes": "tests/at_scale/test_checkpoint.py::"

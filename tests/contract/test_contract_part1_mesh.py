@@ -89,6 +89,11 @@ CASES: list[Case] = [
          bad={"cfg": NOT_A_CFG, "pred": ["plan", _prediction().plan], "batch": [0, 3],
               "seq": [0, 9], "timeout": [0.0, -1.0]},
          run_good=False),   # starts rank processes
+    Case(P + "mesh.grading.plan_mesh", lambda: dict(pred=_prediction(), batch=4),
+         bad={"pred": ["plan", _prediction().plan], "batch": [0, 3]},
+         check=lambda r, kw: (r[0].world == kw["pred"].plan.gpus
+                              and r[1] * kw["pred"].plan.dp * kw["pred"].plan.micro_batch
+                              == kw["batch"])),
     Case(P + "mesh.grading.grade",
          lambda: dict(cfg=_cfg(), card=_card(), world=2, batch=4, seq=8, top=1, steps=2,
                       progress=False, timeout=60.0),

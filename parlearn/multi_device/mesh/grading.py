@@ -25,7 +25,7 @@ from parlearn.multi_device.mesh.layout import MeshShape
 from parlearn.multi_device.mesh.planner import Cluster, Prediction, TinyGPT, rank_plans
 from parlearn.multi_device.transformer.model import GPTConfig
 
-__all__ = ["kendall_tau", "measure_plan", "grade"]
+__all__ = ["kendall_tau", "plan_mesh", "measure_plan", "grade"]
 
 
 def kendall_tau(xs, ys) -> float:
@@ -55,24 +55,32 @@ def kendall_tau(xs, ys) -> float:
     return (conc - disc) / denom if denom else 0.0
 
 
+def plan_mesh(pred: Prediction, batch: int) -> tuple[MeshShape, int]:
+    """The mesh and the micro-batches per step that run ``pred.plan`` with ``batch``
+    sequences on :func:`mesh_train` (or its worker); refuses a plan the mesh cannot run
+    as planned (``cp > 1``: the mesh has no cp axis) or a batch it does not divide."""
+    if not isinstance(pred, Prediction):
+        raise TypeError(f"pred must be a Prediction (from parlearn.mesh.predict or rank_plans), "
+                        f"got {type(pred).__name__}")
+    batch = check_int("batch", batch, lo=1)
+    plan = pred.plan
+    if plan.cp != 1:
+        raise ValueError(f"plan {plan} has cp={plan.cp}: the mesh trainer has no cp axis")
+    if batch % (plan.dp * plan.micro_batch):
+        raise ValueError(f"batch={batch} must be a multiple of the plan's dp * micro_batch = "
+                         f"{plan.dp} * {plan.micro_batch}")
+    return MeshShape(plan.dp, plan.tp, plan.pp), batch // (plan.dp * plan.micro_batch)
+
+
 def measure_plan(cfg: GPTConfig, pred: Prediction, batch: int, seq: int, steps: int = 4,
                  timeout: float = 120) -> dict:
     """Run ``pred.plan`` with :func:`mesh_train`; ``{"step_s", "memory", "spread"}``
     (the median of the slowest rank's step times after the first, which warms up, so
     ``steps`` is at least 2)."""
-    if not isinstance(pred, Prediction):
-        raise TypeError(f"pred must be a Prediction (from parlearn.mesh.predict or rank_plans), "
-                        f"got {type(pred).__name__}")
+    shape, micro_batches = plan_mesh(pred, batch)
     check_int("steps", steps, lo=2)
-    batch = check_int("batch", batch, lo=1)
-    plan = pred.plan
-    if batch % (plan.dp * plan.micro_batch):
-        raise ValueError(f"batch={batch} must be a multiple of the plan's dp * micro_batch = "
-                         f"{plan.dp} * {plan.micro_batch}")
-    shape = MeshShape(plan.dp, plan.tp, plan.pp)
-    res = mesh_train(cfg, shape, steps=steps, batch=batch, seq=seq,
-                     micro_batches=batch // (plan.dp * plan.micro_batch), zero=plan.zero,
-                     recompute=plan.recompute, timeout=timeout)
+    res = mesh_train(cfg, shape, steps=steps, batch=batch, seq=seq, micro_batches=micro_batches,
+                     zero=pred.plan.zero, recompute=pred.plan.recompute, timeout=timeout)
     slowest = [max(r["step_s"][i] for r in res) for i in range(1, steps)]
     med = statistics.median(slowest)
     memory = max(r["held"]["params"] + r["held"]["grads"] + r["held"]["optimizer"]
