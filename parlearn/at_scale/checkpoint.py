@@ -60,6 +60,17 @@ def _check_dir(name: str, directory) -> str:
     return str(directory)
 
 
+def _metadata(directory: str):
+    """The tensors' metadata of the complete checkpoint in ``directory`` (refused when
+    there is none: no ``.metadata``, so no save, or one cut short)."""
+    import torch.distributed.checkpoint as dcp
+
+    if not os.path.isfile(os.path.join(directory, ".metadata")):
+        raise ValueError(f"directory={directory!r} holds no complete checkpoint "
+                         "(no .metadata)")
+    return dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+
+
 def _placements(name: str, tp: int):
     from torch.distributed.tensor import Replicate, Shard
 
@@ -98,11 +109,11 @@ def modeled_bytes(me) -> int:
     """The checkpoint's modeled payload: every parameter of the WHOLE model (all stages, all
     tp shards, once) and its two Adam moments, at the parameters' element size, plus the
     8-byte step. Local; no message."""
-    from parlearn.multi_device.transformer.model import GPT
+    from parlearn.multi_device.transformer.model import count_params
 
     _check_rank(me)
-    full = GPT(me.cfg, dtype=torch.float64)   # parameters() counts the tied weight once
-    return sum(3 * p.numel() * p.element_size() for p in full.parameters()) + 8
+    # The mesh trains in float64; count_params counts the tied weight once.
+    return 3 * 8 * count_params(me.cfg)["total"] + 8
 
 
 def save(me, directory) -> dict:
@@ -132,10 +143,7 @@ def load(me, directory) -> int:
 
     _check_rank(me)
     directory = _check_dir("directory", directory)
-    if not os.path.isfile(os.path.join(directory, ".metadata")):
-        raise ValueError(f"directory={directory!r} holds no complete checkpoint "
-                                "(no .metadata)")
-    meta = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    meta = _metadata(directory)
     sd = state(me)
     for key, value in sd.items():
         want = tuple(value.shape)
@@ -162,10 +170,7 @@ def load_full(directory) -> dict:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     directory = _check_dir("directory", directory)
-    if not os.path.isfile(os.path.join(directory, ".metadata")):
-        raise ValueError(f"directory={directory!r} holds no complete checkpoint "
-                                "(no .metadata)")
-    meta = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    meta = _metadata(directory)
     sd = {k: torch.zeros(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.items()
           if isinstance(m, TensorStorageMetadata)}
     with warnings.catch_warnings():   # DCP warns that there is no group: that is the point

@@ -220,7 +220,9 @@ def reshard_check(before, after, *, steps: int = 4, at: int = 2, directory=None,
     Returns ``{"loss": [per-step loss, before then after], "reference": [per-step loss],
     "loss_diff": max |difference|, "param_diff": max |parameter difference| of the final
     checkpoint read in one process, "save": (seconds, bytes) of the checkpoint at ``at``,
-    "modeled_bytes"}``."""
+    "resumed_from": the step the second mesh resumed from}``. ``directory`` keeps the
+    checkpoints there (None: a temporary folder, removed afterwards)."""
+    import contextlib
     import tempfile
 
     from parlearn.at_scale import checkpoint as ckpt
@@ -234,13 +236,19 @@ def reshard_check(before, after, *, steps: int = 4, at: int = 2, directory=None,
     at = check_int("at", at, lo=1, hi=steps - 1)
     if "ckpt" in spec or "every" in spec or "steps" in spec:
         raise ValueError("reshard_check sets steps, ckpt and every itself")
-    mesh = dict(dp=before.dp, tp=before.tp, pp=before.pp)
-    first = TrainSpec(**mesh, **{**spec, "log": spec.get("log", False)}, steps=at)
-    second = TrainSpec(dp=after.dp, tp=after.tp, pp=after.pp,
-                       **{**spec, "log": spec.get("log", False)}, steps=steps)
-    with tempfile.TemporaryDirectory() if directory is None else _Keep(directory) as root:
-        first = dataclasses.replace(first, ckpt=str(root))
-        second = dataclasses.replace(second, ckpt=str(root))
+    if directory is None:
+        folder = tempfile.TemporaryDirectory()
+    elif isinstance(directory, str | os.PathLike):
+        os.makedirs(directory, exist_ok=True)
+        folder = contextlib.nullcontext(str(directory))
+    else:
+        raise TypeError(f"directory must be a path or None, got {directory!r}")
+    common = {"log": False, **spec}
+    with folder as root:
+        first = TrainSpec(dp=before.dp, tp=before.tp, pp=before.pp, steps=at, ckpt=root,
+                          **common)
+        second = TrainSpec(dp=after.dp, tp=after.tp, pp=after.pp, steps=steps, ckpt=root,
+                           **common)
         a = train(first, timeout=timeout)
         b = train(second, timeout=timeout)
         final = ckpt.load_full(ckpt.step_dir(root, steps))
@@ -254,22 +262,6 @@ def reshard_check(before, after, *, steps: int = 4, at: int = 2, directory=None,
             "param_diff": max((final["params"][n] - t).abs().max().item()
                               for n, t in ref["params"].items()),
             "save": last_a["saves"][-1][1:], "resumed_from": last_b["start"]}
-
-
-class _Keep:
-    """A context manager yielding ``path`` and leaving it in place (a user's folder)."""
-
-    def __init__(self, path) -> None:
-        if not isinstance(path, str | os.PathLike):
-            raise TypeError(f"directory must be a path or None, got {path!r}")
-        self.path = str(path)
-
-    def __enter__(self) -> str:
-        os.makedirs(self.path, exist_ok=True)
-        return self.path
-
-    def __exit__(self, *exc) -> None:
-        return None
 
 
 def _join_group(rank: int, world: int, timeout: float) -> None:

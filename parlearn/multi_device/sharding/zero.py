@@ -427,10 +427,9 @@ class ShardedAdam:
             for key in ("exp_avg", "exp_avg_sq"):
                 check_tensor(f"state_dict['state'][{name!r}][{key!r}]", entry[key],
                              shape=tuple(p.shape), dtype=p.dtype)
-        names_of = {id(p): n for n, p in want.items()}
         for unit in self.units:
             for key, mine in (("exp_avg", unit.exp_avg), ("exp_avg_sq", unit.exp_avg_sq)):
-                full = unit.layout.flatten([state[names_of[id(p)]][key] for p in unit.params])
+                full = unit.layout.flatten([state[names[id(p)]][key] for p in unit.params])
                 mine.copy_(full if self.stage == 0 else unit.layout.shard(full))
         self.steps = step
 
