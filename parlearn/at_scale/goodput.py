@@ -28,6 +28,7 @@ for restart dumps", FGCS 22(3), 2006.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import tempfile
@@ -140,9 +141,8 @@ def measured_goodput(every: int, mtbf_steps: float, *, steps: int = 40, seed: in
             start = found[0] if found else 0
             gap = math.ceil(rng.expovariate(1 / mtbf_steps))
             fail_at = start + gap if start + gap < steps else None
-            run_spec = TrainSpec(**{**base.__dict__, "ckpt": root, "every": every,
-                                    "fail_at": fail_at,
-                                    "fail_rank": rng.randrange(base.world)})
+            run_spec = dataclasses.replace(base, ckpt=root, every=every, fail_at=fail_at,
+                                           fail_rank=rng.randrange(base.world))
             launched = time.perf_counter()
             try:
                 ranks = train(run_spec)
