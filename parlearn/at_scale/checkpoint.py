@@ -52,6 +52,11 @@ def _check_rank(me) -> None:
 
     if not isinstance(me, MeshRank):
         raise TypeError(f"me must be a parlearn.mesh.MeshRank, got {type(me).__name__}")
+    if me.recipe is not None:
+        # Its state is AdamW's per whole tensor on one dp owner, plus the schedule: another
+        # layout than ShardedAdam's flat shards, which is what these checkpoints store.
+        raise NotImplementedError("checkpoints hold ShardedAdam's state: a MeshRank built with "
+                                  "recipe= (AdamW in ShardedOptimizer) cannot be saved yet")
 
 
 def _check_dir(name: str, directory) -> str:
@@ -74,7 +79,7 @@ def _metadata(directory: str):
 def _placements(name: str, tp: int):
     from torch.distributed.tensor import Replicate, Shard
 
-    from parlearn.multi_device.mesh.composed import shard_dim
+    from parlearn.multi_device.mesh.stage import shard_dim
 
     dim = shard_dim(name)
     return [Replicate(), Replicate() if dim is None or tp == 1 else Shard(dim)]

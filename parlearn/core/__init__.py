@@ -8,6 +8,8 @@
 - ``widgets``: the Dashboard (compute + plot + sliders) every explorer uses;
 - ``datasets``: scikit-learn's bundled digits, fixed split;
 - ``models``: small seeded models (the MLP the data-parallel lessons train);
+- ``recipe``: the training recipe (AdamW decay groups, global-norm clip, warm-up + cosine)
+  that every parallel wrapper runs unchanged;
 - ``bench``: the :class:`~parlearn.core.bench.Row` every technique's ``bench`` returns;
 - ``basics``: work and depth, Amdahl, batched vs looped (lesson ``00_start_here``).
 """

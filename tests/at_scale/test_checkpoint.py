@@ -206,10 +206,18 @@ def _bad_mesh_call(rank, world_size, what):
         me.step(torch.zeros(8, 15, dtype=torch.int64), torch.zeros(8, 16, dtype=torch.int64))
     if what == "directory":
         ckpt.save(me, 3)
+    if what == "recipe":
+        from parlearn.core.recipe import Recipe
+
+        ckpt.save(MeshRank(rank, cfg, MeshShape(dp=2), batch=8, seq=16, recipe=Recipe(),
+                           total_steps=4), "unused")
+    if what == "total_steps":
+        MeshRank(rank, cfg, MeshShape(dp=2), batch=8, seq=16, total_steps=4)
 
 
 @pytest.mark.parametrize("what, name", [("batch", "batch"), ("world", "shape.world"),
-                                        ("idx", "idx"), ("directory", "directory")])
+                                        ("idx", "idx"), ("directory", "directory"),
+                                        ("recipe", "recipe"), ("total_steps", "total_steps")])
 def test_mesh_rank_and_save_refuse_bad_calls_on_every_rank(what, name):
     from ranks import assert_refused_on_every_rank
 

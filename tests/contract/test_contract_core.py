@@ -303,6 +303,9 @@ COVERED_ELSEWHERE.update({
                  "time_collectives", "ring_vs_gloo_times")},
     **{f"parlearn.distributed.card.{f}": "tests/distributed/test_card.py::"
        "test_bad_input_names_the_argument" for f in ("Card", "calibrate", "fit_card")},
+    "parlearn.core.recipe.Recipe": [
+        "tests/core/test_recipe.py::test_bad_recipes_are_refused_naming_the_argument",
+        "tests/core/test_recipe.py::test_bad_uses_are_refused"],
     "parlearn.core.datasets.Split":
         "tests/core/test_datasets.py::test_split_refuses_labels_beyond_n_classes",
     "parlearn.core.widgets.control": "tests/core/test_widgets.py::test_bad_controls_and_params",

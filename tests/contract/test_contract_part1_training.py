@@ -291,7 +291,7 @@ CASES: list[Case] = [
               "ys": [[1.0, 2.0, 3.0, 4.0], [1.0, "x", 2.0]]}),
     Case(P + "mesh.layout.draw_mesh", lambda: dict(shape=_mesh(), axes=[None] * 3),
          bad={"shape": ["2x2", 3], "axes": [[None], []]}, run_good=False),
-    Case(P + "mesh.composed.StageGPT",
+    Case(P + "mesh.stage.StageGPT",
          lambda: dict(full=_gpt(), shape=_mesh(1, 2, 2), stage=1, shard=1, sp=True,
                       recompute="full"),
          ranges={"stage": (0, 1), "shard": (0, 1)},
@@ -455,7 +455,7 @@ COVERED_ELSEWHERE: dict[str, str] = {
        for n in ("NaiveDP", "BucketedDP", "CompressedDP", "make_ddp", "worker_train")},
     P + "sharding.zero.ShardedAdam": S_TEST + "test_sharded_adam_refuses_bad_arguments_naming_"
     "them_before_looking_for_ranks",
-    P + "mesh.composed.check_plan": "tests/multi_device/test_mesh.py::test_bad_plans_refused",
+    P + "mesh.stage.check_plan": "tests/multi_device/test_mesh.py::test_bad_plans_refused",
     P + "batching.training.train": "tests/multi_device/test_batching.py::"
     "test_bad_train_arguments_fail_before_any_step",
     P + "batching.training.worker_train": "tests/multi_device/test_batching.py::"

@@ -36,8 +36,8 @@ def test_every_variant_equals_one_process_and_holds_what_zero_says(world, micro)
 def test_the_check_sees_a_recipe_that_differs(monkeypatch):
     """Weight decay on the norms too (one group) moves the parameters off the reference: the
     comparison is sharp enough to see it."""
-    monkeypatch.setattr(dropin, "_groups", lambda params: [{"params": list(params),
-                                                            "weight_decay": dropin.DECAY}])
+    monkeypatch.setattr(dropin.Recipe, "param_groups", lambda self, params: [
+        {"params": list(params), "weight_decay": self.weight_decay}])
     reference = dropin._one_process(3, 8, 0)
     monkeypatch.undo()
     right = dropin._one_process(3, 8, 0)

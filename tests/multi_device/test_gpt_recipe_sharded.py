@@ -5,12 +5,11 @@ warm-up then cosine decay, two accumulated micro-batches per rank."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from parlearn import dist
+from parlearn.core.recipe import Recipe
 from parlearn.multi_device.sharding import ShardedOptimizer, shard_module
 from parlearn.multi_device.transformer import GPT, GPTConfig
 
@@ -18,16 +17,7 @@ CFG = GPTConfig(vocab_size=29, d_model=16, n_heads=2, n_layers=2, max_seq=8, see
 STEPS, BATCH, SEQ, MICRO = 3, 8, 8, 2
 
 
-def _groups(model):
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-
-
-def _schedule(opt):
-    warm = 2
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warm) * (
-        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, STEPS) / STEPS))))
+RECIPE = Recipe(weight_decay=0.1, clip=0.5, warmup=2, betas=(0.9, 0.95))
 
 
 def _batches():
@@ -39,15 +29,15 @@ def _batches():
 def _serial(decay_all: bool = False) -> list[dict[str, torch.Tensor]]:
     """One process; ``decay_all`` decays norms and biases too (one flat shard per unit)."""
     model = GPT(CFG, dtype=torch.float64)
-    groups = model.parameters() if decay_all else _groups(model)
+    groups = model.parameters() if decay_all else RECIPE.param_groups(model.parameters())
     opt = torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    sched = _schedule(opt)
+    sched = RECIPE.scheduler(opt, STEPS)
     out = []
     for ids in _batches():
         opt.zero_grad()
         _, loss = model(ids[:, :-1], ids[:, 1:])
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), RECIPE.clip)
         opt.step()
         sched.step()
         out.append({n: p.detach().clone() for n, p in model.named_parameters()})
@@ -67,9 +57,10 @@ def _ranks(rank: int, world: int, how: str) -> list[dict[str, torch.Tensor]]:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95),
                                 weight_decay=0.1)
     else:
-        opt = ShardedOptimizer(_groups(model), torch.optim.AdamW, stage=int(how[-1]),
+        opt = ShardedOptimizer(RECIPE.param_groups(model.parameters()), torch.optim.AdamW,
+                               stage=int(how[-1]),
                                lr=3e-3, betas=(0.9, 0.95))
-    sched = _schedule(opt)
+    sched = RECIPE.scheduler(opt, STEPS)
     out = []
     per_rank = BATCH // world
     for ids in _batches():
@@ -80,10 +71,10 @@ def _ranks(rank: int, world: int, how: str) -> list[dict[str, torch.Tensor]]:
             _, loss = model(part[:, :-1], part[:, 1:])
             (loss / MICRO).backward()
         if how.startswith("fsdp"):
-            model.fsdp.clip_grad_norm_(0.5)
+            model.fsdp.clip_grad_norm_(RECIPE.clip)
         else:
             opt.reduce_gradients()
-            opt.clip_grad_norm_(0.5)
+            opt.clip_grad_norm_(RECIPE.clip)
         opt.step()
         sched.step()
         out.append(model.fsdp.full_state_dict() if how.startswith("fsdp")

@@ -7,10 +7,13 @@ import math
 import pytest
 from parlearn.transformer import GPTConfig
 
+from parlearn.core.recipe import Recipe
 from parlearn.multi_device.mesh import MeshShape, check_plan, mesh_check
 
 CFG = GPTConfig(d_model=16, n_heads=4, n_layers=4, max_seq=16)
 TOL = 1e-12
+# A clip far below the gradients' norms (0.7-1.4 on this model), so it acts on every step.
+RECIPE = Recipe(weight_decay=0.1, clip=0.05, warmup=2)
 
 
 @pytest.mark.parametrize("dims", [(2, 2, 2), (4, 2, 1), (2, 1, 4), (1, 2, 4)],
@@ -31,6 +34,37 @@ def test_variants_equal_one_process(variant):
     res = mesh_check(cfg, MeshShape(1, 2, 2), steps=2, batch=4, seq=8, micro_batches=2,
                      **variant)
     assert res["loss"] < TOL and res["params"] < TOL
+
+
+@pytest.mark.parametrize("dims, zero, sp", [((2, 2, 2), 1, True), ((2, 1, 2), 2, True),
+                                            ((2, 2, 1), 0, False), ((1, 2, 4), 2, True)],
+                         ids=["dp2-tp2-pp2-zero1", "dp2-pp2-zero2", "dp2-tp2-zero0-nosp",
+                              "tp2-pp4-zero2"])
+def test_the_whole_recipe_on_the_mesh_equals_one_process(dims, zero, sp):
+    """AdamW with decay on matrices only, the global-norm clip across tp, pp and dp shards,
+    warm-up + cosine, two micro-batches per replica: every step's loss and global norm,
+    and the final parameters, equal one process on the whole batch."""
+    res = mesh_check(CFG, MeshShape(*dims), steps=4, batch=8, seq=16, micro_batches=2,
+                     recipe=RECIPE, zero=zero, sp=sp)
+    assert res["loss"] < TOL and res["params"] < TOL and res["grad_norm"] < TOL
+    assert res["replicas"] == 0.0
+    for r in res["results"]:   # every rank computed the same norm, and the clip acted
+        assert len(r["grad_norm"]) == 4 and min(r["grad_norm"]) > RECIPE.clip
+        assert max(abs(a - b) for a, b in zip(r["grad_norm"], res["results"][0]["grad_norm"],
+                                               strict=True)) < TOL
+
+
+def test_zero2_on_the_mesh_keeps_only_owned_gradients():
+    """With the recipe, ZeRO-2 over dp drops the gradients a replica does not own: each
+    rank of a dp pair holds fewer gradient bytes than under ZeRO-1, and together
+    exactly one copy."""
+    from parlearn.multi_device.mesh import mesh_train
+
+    held = {z: [r["held"] for r in mesh_train(CFG, MeshShape(2, 1, 1), steps=1, batch=8,
+                                               seq=16, recipe=RECIPE, zero=z)] for z in (1, 2)}
+    assert all(h2["grads"] < h1["grads"] for h1, h2 in zip(held[1], held[2], strict=True))
+    assert sum(h["grads"] for h in held[2]) == held[1][0]["grads"]
+    assert sum(h["optimizer"] for h in held[2]) == sum(h["optimizer"] for h in held[1])
 
 
 def test_collectives_per_axis_match_the_plan():
@@ -318,7 +352,8 @@ def test_planner_refuses_bad_clusters_and_workloads_naming_the_argument():
 
 
 @pytest.mark.parametrize("which, name", [("seq", "seq"), ("world", "world_size"),
-                                         ("zero", "zero")])
+                                         ("zero", "zero"), ("zero2", "zero"),
+                                         ("recipe", "recipe")])
 def test_mesh_worker_refuses_bad_arguments_on_every_rank(which, name):
     """Called straight through dist.run (as a user may), the worker refuses on every rank
     before the mesh's first collective: no hang, no rank left waiting."""
@@ -330,7 +365,9 @@ def test_mesh_worker_refuses_bad_arguments_on_every_rank(which, name):
     shape = MeshShape(dp=2, tp=1, pp=1) if which != "world" else MeshShape(dp=1, tp=2, pp=2)
     args = dict(cfg=cfg, shape=shape, steps=1, batch=4, seq=8, micro_batches=1, lr=1e-2,
                 seed=0, sp=False, zero=1, recompute="none", kind="1f1b")
-    args.update({"seq": {"seq": 9}, "zero": {"zero": True}}.get(which, {}))
+    args.update({"seq": {"seq": 9}, "zero": {"zero": True},
+                 "zero2": {"zero": 2},  # ZeRO-2 needs the recipe's ShardedOptimizer
+                 "recipe": {"recipe": "adamw"}}.get(which, {}))
     assert_refused_on_every_rank(mesh_train_worker, tuple(args.values()), name=name)
 
 

@@ -21,6 +21,7 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 
 from parlearn.core.checks import check_choice, check_float, check_int, check_tensor
+from parlearn.core.recipe import Recipe
 from parlearn.distributed.agree import agree
 from parlearn.multi_device.context_parallel.blocks import LAYOUTS, shard_index
 from parlearn.multi_device.context_parallel.ring import ring_attention
@@ -129,25 +130,46 @@ def _check_train_args(cfg: GPTConfig, steps: int, batch: int, seq: int, lr: floa
 
 
 def serial_train(cfg: GPTConfig, *, steps: int = 3, batch: int = 2, seq: int = 16,
-                 lr: float = 1e-2, seed: int = 0, optimizer: str = "adamw") -> dict:
+                 lr: float = 1e-2, seed: int = 0, optimizer: str = "adamw",
+                 recipe: Recipe | None = None) -> dict:
     """The reference: the same GPT (float64), data and ``optimizer`` steps ("adamw" or
-    "adam", torch's defaults but ``lr``) in one process.
-    Returns ``{"loss": [per step], "params": {name: tensor}}``."""
+    "adam", torch's defaults but ``lr``) in one process. With ``recipe`` (a
+    :class:`parlearn.core.recipe.Recipe`, ``optimizer="adamw"`` only): AdamW with its decay
+    groups and betas, its global-norm clip and its schedule over ``steps``, peak ``lr``.
+    Returns ``{"loss": [per step], "params": {name: tensor}, "grad_norm": [per step, the
+    norm before clipping] (with a recipe; else empty)}``."""
     steps, batch, seq = (check_int(n, v, lo=1) for n, v in
                          (("steps", steps), ("batch", batch), ("seq", seq)))
     check_choice("optimizer", optimizer, tuple(_OPTIMIZERS))
     lr = check_float("lr", lr, lo=0, lo_open=True)
     seed = check_int("seed", seed, lo=0)
+    if recipe is not None:
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"recipe must be a parlearn.core.recipe.Recipe or None, got "
+                            f"{type(recipe).__name__}")
+        if optimizer != "adamw":
+            raise ValueError(f"recipe runs AdamW: optimizer must be 'adamw', got {optimizer!r}")
     model = GPT(_cfg(cfg, seq), dtype=torch.float64)
-    opt = _OPTIMIZERS[optimizer](model.parameters(), lr=lr)
-    losses = []
+    if recipe is None:
+        opt, sched = _OPTIMIZERS[optimizer](model.parameters(), lr=lr), None
+    else:
+        opt = torch.optim.AdamW(recipe.param_groups(model.parameters()), lr=lr,
+                                betas=recipe.betas)
+        sched = recipe.scheduler(opt, steps)
+    losses, norms = [], []
     for idx, tgt in train_batches(steps, batch, seq, seed):
         opt.zero_grad()
         loss = model(idx, tgt)[1]
         loss.backward()
+        if recipe is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                              recipe.clip)))
         opt.step()
+        if sched is not None:
+            sched.step()
         losses.append(float(loss.detach()))
-    return dict(loss=losses, params={n: p.detach().clone() for n, p in model.named_parameters()})
+    return dict(loss=losses, grad_norm=norms,
+                params={n: p.detach().clone() for n, p in model.named_parameters()})
 
 
 def cp_train_worker(rank: int, world_size: int, cfg: GPTConfig, steps: int, batch: int,

@@ -4,6 +4,7 @@
 module              what it holds
 ==================  ======================================================================
 ``layout``          :class:`MeshShape`: rank <-> (pp, dp, tp) coordinates, each axis's groups
+``stage``           :class:`StageGPT`: one rank's piece of the GPT (its stage, its TP shard)
 ``composed``        the GPT trained on ``pp x dp x tp`` gloo ranks from the course's own
                     pieces (1F1B, Megatron TP + SP, ZeRO-1), equal to one process
 ``torch_composed``  the same GPT with torch's ``parallelize_module`` then ``fully_shard``
@@ -21,14 +22,13 @@ The hardware card the planner reads is :mod:`parlearn.card` (``parlearn.distribu
 
 from parlearn.multi_device.mesh.composed import (
     MeshRank,
-    StageGPT,
     assemble,
-    check_plan,
     mesh_check,
     mesh_train,
     mesh_train_worker,
 )
 from parlearn.multi_device.mesh.layout import AXES, MeshShape, draw_mesh
+from parlearn.multi_device.mesh.stage import StageGPT, check_plan
 
 __all__ = ["AXES", "MeshShape", "draw_mesh", "StageGPT", "MeshRank", "check_plan", "mesh_train",
            "mesh_train_worker", "assemble", "mesh_check"]

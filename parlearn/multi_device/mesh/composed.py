@@ -1,7 +1,7 @@
 """The tiny GPT trained on a ``pp x dp x tp`` device mesh, from the course's own pieces.
 
 Each rank builds the whole float64 GPT from its config (same seed, same weights everywhere,
-no message needed) and keeps only its piece (:class:`StageGPT`):
+no message needed) and keeps only its piece (:class:`parlearn.mesh.stage.StageGPT`):
 
 - **PP** (lesson 13): stage ``s`` keeps blocks ``[s L/P, (s+1) L/P)``; the first stage also
   the token embedding, the last the final LayerNorm and the output layer. The GPT's output
@@ -22,6 +22,15 @@ no message needed) and keeps only its piece (:class:`StageGPT`):
 - **DP / ZeRO-1** (lessons 11-12): :class:`parlearn.sharding.ShardedAdam` over the dp group
   averages the gradients (reduce-scatter, Adam on a 1/dp shard, all-gather: stage 1; or
   all-reduce: stage 0). Each dp replica takes ``batch / dp`` sequences.
+- **The whole recipe** (``recipe=``, a :class:`parlearn.core.recipe.Recipe`): torch's AdamW
+  with weight decay on matrices only, wrapped in :class:`parlearn.sharding.ShardedOptimizer`
+  over the dp group (ZeRO-1 or 2; plain AdamW after a dp all-reduce for ``zero=0``), a
+  warm-up + cosine schedule, and clipping by the global gradient norm of the *whole* model:
+  each rank sums the squares of the gradient elements it alone is responsible for (a
+  tp-replicated tensor on tp rank 0 only, the tied embedding on the first stage only, a
+  dp-replicated gradient on replica 0 only), one all-reduce over every rank adds them, and
+  every rank scales its gradients by the same factor (what Megatron-LM's
+  ``clip_grad_norm`` does over its model-parallel group).
 
 The loss of a micro-batch on a rank is its tokens' summed cross-entropy over
 ``(batch / dp) * seq``: summed over micro-batches (and tp ranks under SP) it is the
@@ -40,15 +49,12 @@ torchtitan the same order reads ``parallelize_module`` (TP/SP), then ``fully_sha
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
 import torch.distributed as tdist
-import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
-from torch.utils.checkpoint import checkpoint
 
 from parlearn.core.checks import (
     check_bool,
@@ -57,148 +63,14 @@ from parlearn.core.checks import (
     check_int,
     check_tensor,
 )
+from parlearn.core.recipe import Recipe
 from parlearn.multi_device.context_parallel.gpt import serial_train, train_batches
-from parlearn.multi_device.context_parallel.sequence_parallel import (
-    GatherSequence,
-    ScatterSequence,
-)
 from parlearn.multi_device.mesh.layout import AXES, MeshShape
+from parlearn.multi_device.mesh.stage import StageGPT, check_plan, shard_dim
 from parlearn.multi_device.pipeline.schedules import schedule
-from parlearn.multi_device.tensor_parallel.megatron import CopyToRanks, SumOverRanks
-from parlearn.multi_device.transformer.model import GPT, GPTConfig, _rotate_half, attention_core
+from parlearn.multi_device.transformer.model import GPT, GPTConfig
 
-__all__ = ["COLUMN", "ROW", "StageGPT", "MeshRank", "check_plan", "mesh_train_worker",
-           "mesh_train", "assemble", "mesh_check"]
-
-# Linear layers split by output features (dim 0 of the weight) and by input features (dim 1).
-COLUMN = ("attn.q", "attn.k", "attn.v", "mlp.up", "mlp.gate")
-ROW = ("attn.o", "mlp.down")
-
-
-def shard_dim(name: str) -> int | None:
-    """Which dim of parameter ``name`` tensor parallelism splits (None: replicated)."""
-    for part, dim in [(p, 0) for p in COLUMN] + [(p, 1) for p in ROW]:
-        if f".{part}.weight" in name:
-            return dim
-    return None
-
-
-def check_plan(cfg: GPTConfig, shape: MeshShape, batch: int, seq: int, micro_batches: int,
-               sp: bool) -> None:
-    """Refuse, naming the argument, a plan the mesh cannot run."""
-    if not isinstance(cfg, GPTConfig):
-        raise TypeError(f"cfg must be a GPTConfig, got {type(cfg).__name__}")
-    if not isinstance(shape, MeshShape):
-        raise TypeError(f"shape must be a MeshShape, got {type(shape).__name__}")
-    if cfg.n_layers % shape.pp:
-        raise ValueError(f"shape.pp={shape.pp} must divide cfg.n_layers={cfg.n_layers}")
-    if cfg.n_heads % shape.tp or cfg.ff % shape.tp:
-        raise ValueError(f"shape.tp={shape.tp} must divide cfg.n_heads={cfg.n_heads} and the MLP "
-                         f"width {cfg.ff}")
-    if batch % (shape.dp * micro_batches):
-        raise ValueError(f"batch={batch} must divide into dp={shape.dp} replicas of "
-                         f"micro_batches={micro_batches} equal micro-batches")
-    if seq > cfg.max_seq:
-        raise ValueError(f"seq={seq} must be at most cfg.max_seq={cfg.max_seq}")
-    if sp and seq % shape.tp:
-        raise ValueError(f"sp=True needs seq={seq} divisible by tp={shape.tp}")
-
-
-class StageGPT(nn.Module):
-    """Rank ``(stage, shard)``'s piece of ``full``: its pipeline stage's blocks with every
-    linear cut to its tensor-parallel shard. Parameter names are ``full``'s, so a shard
-    can be put back where it came from (:func:`assemble`)."""
-
-    def __init__(self, full: GPT, shape: MeshShape, stage: int, shard: int, *, sp: bool,
-                 tp_group=None, recompute: str = "none"):
-        if not isinstance(full, GPT):
-            raise TypeError(f"full must be a parlearn.transformer.GPT, got {type(full).__name__}")
-        if not isinstance(shape, MeshShape):
-            raise TypeError(f"shape must be a MeshShape, got {type(shape).__name__}")
-        stage = check_int("stage", stage, lo=0, hi=shape.pp - 1)
-        shard = check_int("shard", shard, lo=0, hi=shape.tp - 1)
-        check_bool("sp", sp)
-        if full.cfg.n_layers % shape.pp or full.cfg.n_heads % shape.tp or full.cfg.ff % shape.tp:
-            raise ValueError(f"shape={shape} must divide the model: pp into n_layers, tp into "
-                             "n_heads and the MLP width")
-        super().__init__()
-        cfg = full.cfg
-        self.cfg, self.tp, self.sp, self.group = cfg, shape.tp, sp, tp_group
-        self.recompute = check_choice("recompute", recompute, ("none", "full"))
-        self.first, self.last = stage == 0, stage == shape.pp - 1
-        per = cfg.n_layers // shape.pp
-        keep = range(stage * per, (stage + 1) * per)
-        self.tok = copy.deepcopy(full.tok) if self.first or self.last else None
-        self.pos = copy.deepcopy(full.pos) if self.first and full.pos is not None else None
-        self.blocks = nn.ModuleDict({str(i): copy.deepcopy(full.blocks[i]) for i in keep})
-        self.ln_f = copy.deepcopy(full.ln_f) if self.last else None
-        for name, p in self.named_parameters():
-            dim = shard_dim(name)
-            if dim is not None:
-                p.data = p.data.chunk(shape.tp, dim=dim)[shard].clone()
-        self.heads = cfg.n_heads // shape.tp
-        for name in ("mask", "cos", "sin"):
-            self.register_buffer(name, getattr(full, name), persistent=False)
-
-    def replicated(self) -> list[nn.Parameter]:
-        """Parameters every tp rank holds whole (LayerNorms, embedding, positions)."""
-        return [p for n, p in self.named_parameters() if shard_dim(n) is None]
-
-    # Megatron's conjugate pair at the edges of each TP region.
-    def _enter(self, h: torch.Tensor) -> torch.Tensor:
-        if self.tp == 1:
-            return h
-        return GatherSequence.apply(h, self.group, 1) if self.sp else CopyToRanks.apply(
-            h, self.group)
-
-    def _leave(self, y: torch.Tensor) -> torch.Tensor:
-        if self.tp == 1:
-            return y
-        return ScatterSequence.apply(y, self.group, 1) if self.sp else SumOverRanks.apply(
-            y, self.group)
-
-    def _block(self, blk: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        a, m = blk.attn, blk.mlp
-        h = self._enter(blk.ln1(x))
-        b, s, _ = h.shape
-        q, k, v = (lin(h).view(b, s, self.heads, -1).transpose(1, 2) for lin in (a.q, a.k, a.v))
-        if a.rope:
-            cos, sin = self.cos[:s], self.sin[:s]
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-        y = attention_core(q, k, v, self.mask[:s, :s])
-        x = x + self._leave(a.o(y.transpose(1, 2).reshape(b, s, -1)))
-        h = self._enter(blk.ln2(x))
-        z = m.down(F.silu(m.gate(h)) * m.up(h)) if m.swiglu else m.down(F.gelu(m.up(h)))
-        return x + self._leave(z)
-
-    def tokens(self, t: torch.Tensor, shard: int) -> torch.Tensor:
-        """This rank's tokens of ``t`` (``(b, S)``): its ``S/tp`` slice under SP, else all."""
-        return t.chunk(self.tp, dim=1)[shard] if self.sp and self.tp > 1 else t
-
-    def forward(self, x: torch.Tensor, shard: int = 0, targets: torch.Tensor | None = None,
-                denominator: float = 1.0) -> torch.Tensor:
-        """First stage: ``x`` is the token ids ``(b, S)``; later stages: the activation from
-        the stage before. Last stage returns the summed cross-entropy of this rank's tokens
-        over ``denominator``; the others their output activation."""
-        if self.first:
-            idx = self.tokens(x, shard)
-            x = self.tok(idx)
-            if self.pos is not None:
-                start = shard * idx.shape[1] if self.sp else 0
-                x = x + self.pos(torch.arange(start, start + idx.shape[1]))
-        for blk in self.blocks.values():
-            if self.recompute == "full":
-                # No randomness in a block: no RNG state to stash (memory no ledger sees).
-                x = checkpoint(self._block, blk, x, use_reentrant=False, preserve_rng_state=False)
-            else:
-                x = self._block(blk, x)
-        if not self.last:
-            return x
-        logits = F.linear(self.ln_f(x), self.tok.weight)
-        tgt = self.tokens(targets, shard)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
-                               reduction="sum") / denominator
+__all__ = ["MeshRank", "mesh_train_worker", "mesh_train", "assemble", "mesh_check"]
 
 
 def _saved_bytes(model: nn.Module, fn):
@@ -232,15 +104,19 @@ def _summary(records) -> dict[str, tuple[int, int]]:
 
 def check_train_args(cfg: GPTConfig, shape: MeshShape, steps: int, batch: int, seq: int,
                      micro_batches: int, lr: float, seed: int, sp: bool, zero: int,
-                     recompute: str, schedule_kind: str) -> None:
+                     recompute: str, schedule_kind: str, recipe: Recipe | None = None) -> None:
     """Refuse, naming the argument, what :func:`mesh_train` and its worker cannot run."""
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a parlearn.core.recipe.Recipe or None, got "
+                        f"{type(recipe).__name__}")
     for name, v in (("steps", steps), ("batch", batch), ("seq", seq),
                     ("micro_batches", micro_batches)):
         check_int(name, v, lo=1)
     check_float("lr", lr, lo=0, lo_open=True)
     check_int("seed", seed, lo=0)
     check_bool("sp", sp)
-    check_choice("zero", zero, (0, 1))
+    # ShardedAdam (no recipe) has stages 0-1 on the mesh; ShardedOptimizer adds ZeRO-2.
+    check_choice("zero", zero, (0, 1) if recipe is None else (0, 1, 2))
     check_choice("recompute", recompute, ("none", "full"))
     check_choice("schedule_kind", schedule_kind, ("1f1b", "gpipe"))
     check_plan(cfg, shape, batch, seq, micro_batches, sp)
@@ -248,22 +124,31 @@ def check_train_args(cfg: GPTConfig, shape: MeshShape, steps: int, batch: int, s
 
 class MeshRank:
     """One rank's share of a mesh run: its mesh and groups, its piece of the model
-    (:class:`StageGPT`), its optimizer (:class:`parlearn.sharding.ShardedAdam` over the dp
-    group) and its pipeline schedule. Build it on every rank of the group (it creates
-    process groups, which is collective), then call :meth:`step` with the whole batch of
-    each step: the rank cuts out its replica's share. ``steps`` counts the steps taken
-    (restored from a checkpoint by :func:`parlearn.at_scale.checkpoint.load`)."""
+    (:class:`StageGPT`), its optimizer and its pipeline schedule. Build it on every rank of
+    the group (it creates process groups, which is collective), then call :meth:`step` with
+    the whole batch of each step: the rank cuts out its replica's share. ``steps`` counts
+    the steps taken (restored from a checkpoint by :func:`parlearn.at_scale.checkpoint.load`).
+
+    The optimizer is lesson 12's from-scratch :class:`parlearn.sharding.ShardedAdam` over the
+    dp group (Adam at ``lr``), or with ``recipe`` the whole recipe (module docstring): AdamW
+    in :class:`parlearn.sharding.ShardedOptimizer`, peak learning rate ``lr``, its schedule
+    over ``total_steps`` and the global-norm clip (:meth:`clip_grad_norm_`)."""
 
     def __init__(self, rank: int, cfg: GPTConfig, shape: MeshShape, *, batch: int, seq: int,
                  micro_batches: int = 2, lr: float = 1e-2, seed: int = 0, sp: bool = True,
-                 zero: int = 1, recompute: str = "none", kind: str = "1f1b") -> None:
+                 zero: int = 1, recompute: str = "none", kind: str = "1f1b",
+                 recipe: Recipe | None = None, total_steps: int | None = None) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        from parlearn.multi_device.sharding import ShardedAdam
+        from parlearn.multi_device.sharding import ShardedAdam, ShardedOptimizer
 
         # Every rank checks before its first collective (the mesh's own set-up is one).
         check_train_args(cfg, shape, 1, batch, seq, micro_batches, lr, seed, sp, zero,
-                         recompute, kind)
+                         recompute, kind, recipe)
+        if recipe is None and total_steps is not None:
+            raise ValueError("total_steps is the recipe's schedule length: pass a recipe too")
+        if recipe is not None:
+            check_int("total_steps", total_steps, lo=1)
         if not tdist.is_initialized() or tdist.get_world_size() != shape.world:
             have = tdist.get_world_size() if tdist.is_initialized() else "no group"
             raise ValueError(f"shape.world={shape.world} must equal the process group's world "
@@ -281,7 +166,16 @@ class MeshRank:
                     self.emb_group = g
         self.model = StageGPT(GPT(cfg, dtype=torch.float64), shape, self.stage, self.shard,
                               sp=sp, tp_group=self.tp_group, recompute=recompute)
-        self.opt = ShardedAdam(self.model, stage=zero, lr=lr, group=self.dp_group)
+        self.recipe, self.zero, self.grad_norm, self._taken = recipe, zero, None, 0
+        if recipe is None:
+            self.opt = ShardedAdam(self.model, stage=zero, lr=lr, group=self.dp_group)
+            self.sched = None
+        else:
+            groups = recipe.param_groups(self.model.parameters())
+            self.opt = (torch.optim.AdamW(groups, lr=lr, betas=recipe.betas) if zero == 0 else
+                        ShardedOptimizer(groups, torch.optim.AdamW, stage=zero,
+                                         group=self.dp_group, lr=lr, betas=recipe.betas))
+            self.sched = recipe.scheduler(self.opt, total_steps)
         s = self.stage
         self.prev = shape.rank(s - 1, self.replica, self.shard) if s > 0 else None
         self.nxt = shape.rank(s + 1, self.replica, self.shard) if s < shape.pp - 1 else None
@@ -294,7 +188,66 @@ class MeshRank:
     @property
     def steps(self) -> int:
         """Optimizer steps taken (the Adam step count)."""
-        return self.opt.steps
+        return self.opt.steps if self.recipe is None else self._taken
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank holds now."""
+        if self.recipe is None:
+            return self.opt.held_bytes()
+        from parlearn.multi_device.sharding.zero import storage_bytes
+
+        params = list(self.model.parameters())
+        inner = self.opt if self.zero == 0 else self.opt.optim
+        state = [v for st in inner.state.values() for v in st.values()
+                 if isinstance(v, torch.Tensor) and v.dim() > 0]
+        out = {"params": storage_bytes(params),
+               "grads": storage_bytes([p.grad for p in params if p.grad is not None]),
+               "optimizer": storage_bytes(state)}
+        out["total"] = sum(out.values())
+        return out
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale every gradient of the whole mesh so that their global L2 norm is at most
+        ``max_norm`` (torch's ``clip_grad_norm_`` formula, factor ``max_norm / (norm +
+        1e-6)`` when below 1); a collective over every rank. Each gradient element is
+        counted once: a tensor replicated over tp on tp rank 0, the tied embedding on the
+        first stage, a gradient every dp replica holds (ZeRO-0/1) on replica 0. Returns
+        the norm before clipping."""
+        max_norm = check_float("max_norm", max_norm, lo=0, lo_open=True)
+        total = torch.zeros((), dtype=torch.float64)
+        for name, p in self.model.named_parameters():
+            if (p.grad is None or (shard_dim(name) is None and self.shard != 0)
+                    or (name == "tok.weight" and not self.model.first)
+                    or (self.zero < 2 and self.replica != 0)):
+                continue
+            total += p.grad.detach().double().pow(2).sum()
+        tdist.all_reduce(total)
+        norm = float(total.sqrt())
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
+
+    def _update(self) -> None:
+        """The optimizer step: ShardedAdam's, or the recipe's exchange, clip, step and
+        schedule."""
+        if self.recipe is None:
+            self.opt.step()
+            return
+        if self.zero == 0:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    tdist.all_reduce(p.grad, group=self.dp_group)
+                    p.grad.div_(self.shape.dp)
+        else:
+            self.opt.reduce_gradients()
+        self.grad_norm = self.clip_grad_norm_(self.recipe.clip)
+        self.opt.step()
+        self.sched.step()
+        self._taken += 1
 
     def step(self, idx: torch.Tensor, tgt: torch.Tensor) -> dict:
         """One training step on the whole batch ``(idx, tgt)`` (each ``(batch, seq)``, the
@@ -340,7 +293,7 @@ class MeshRank:
             if self.emb_group is not None:
                 tdist.all_reduce(model.tok.weight.grad, group=self.emb_group)
         with ledger() as dp_led, record_function("optimizer"):
-            self.opt.step()
+            self._update()
         seconds = time.perf_counter() - t0
         return {"loss": None, "seconds": seconds,
                 "records": {"pipe": pipe_led.records, "embedding": emb_led.records,
@@ -381,21 +334,25 @@ class MeshRank:
 
 def mesh_train_worker(rank: int, world_size: int, cfg: GPTConfig, shape: MeshShape, steps: int,
                       batch: int, seq: int, micro_batches: int, lr: float, seed: int, sp: bool,
-                      zero: int, recompute: str, kind: str) -> dict:
-    """Worker: :func:`parlearn.context_parallel.serial_train`'s loop (Adam) on this rank's
-    piece of the mesh (:class:`MeshRank`). Returns its parameters (name -> local tensor),
-    the loss per step (last stage; None elsewhere), step times, held bytes, the peak of
-    saved activation bytes, and one step's collectives per axis (from the ledger)."""
+                      zero: int, recompute: str, kind: str, recipe: Recipe | None = None) -> dict:
+    """Worker: :func:`parlearn.context_parallel.serial_train`'s loop (Adam, or ``recipe``)
+    on this rank's piece of the mesh (:class:`MeshRank`). Returns its parameters (name ->
+    local tensor), the loss per step (last stage; None elsewhere), step times, the global
+    gradient norm per step (with a recipe), held bytes, the peak of saved activation bytes,
+    and one step's collectives per axis (from the ledger)."""
     check_train_args(cfg, shape, steps, batch, seq, micro_batches, lr, seed, sp, zero,
-                     recompute, kind)
+                     recompute, kind, recipe)
     if world_size != shape.world:
         raise ValueError(f"world_size={world_size} must equal shape.world={shape.world}")
     me = MeshRank(rank, cfg, shape, batch=batch, seq=seq, micro_batches=micro_batches, lr=lr,
-                  seed=seed, sp=sp, zero=zero, recompute=recompute, kind=kind)
-    out: dict = {"loss": [], "step_s": [], "coords": me.coords}
+                  seed=seed, sp=sp, zero=zero, recompute=recompute, kind=kind, recipe=recipe,
+                  total_steps=None if recipe is None else steps)
+    out: dict = {"loss": [], "step_s": [], "grad_norm": [], "coords": me.coords}
     for step, (idx, tgt) in enumerate(train_batches(steps, batch, seq, seed)):
         res = me.step(idx, tgt)
         out["step_s"].append(res["seconds"])
+        if me.grad_norm is not None:
+            out["grad_norm"].append(me.grad_norm)
         if res["loss"] is not None:
             out["loss"].append(res["loss"])
         if step == 0:
@@ -405,7 +362,7 @@ def mesh_train_worker(rank: int, world_size: int, cfg: GPTConfig, shape: MeshSha
                                   "embedding": _summary(res["records"]["embedding"]),
                                   "dp": _summary(res["records"]["dp"])}
     out["act_peak"], out["act_per_mb"] = me.act_peak, me.act_per_mb
-    out["held"] = me.opt.held_bytes()
+    out["held"] = me.held_bytes()
     out["params"] = {n: p.detach().clone() for n, p in me.model.named_parameters()}
     return out
 
@@ -413,16 +370,19 @@ def mesh_train_worker(rank: int, world_size: int, cfg: GPTConfig, shape: MeshSha
 def mesh_train(cfg: GPTConfig, shape: MeshShape, *, steps: int = 3, batch: int = 8,
                seq: int = 16, micro_batches: int = 2, lr: float = 1e-2, seed: int = 0,
                sp: bool = True, zero: int = 1, recompute: str = "none",
-               schedule_kind: str = "1f1b", timeout: float = 60) -> list[dict]:
-    """Train ``cfg``'s GPT (float64, Adam) for ``steps`` on ``shape.world`` real gloo ranks
-    laid out as ``shape``; one dict per rank (:func:`mesh_train_worker`)."""
+               schedule_kind: str = "1f1b", recipe: Recipe | None = None,
+               timeout: float = 60) -> list[dict]:
+    """Train ``cfg``'s GPT (float64; Adam, or the whole ``recipe``: AdamW with decay groups,
+    global-norm clip, warm-up + cosine over ``steps``) for ``steps`` on ``shape.world`` real
+    gloo ranks laid out as ``shape``; one dict per rank (:func:`mesh_train_worker`).
+    ``zero``: 0, 1, or (with a recipe) 2."""
     from parlearn.distributed import run
 
     check_train_args(cfg, shape, steps, batch, seq, micro_batches, lr, seed, sp, zero,
-                     recompute, schedule_kind)
+                     recompute, schedule_kind, recipe)
     return run(mesh_train_worker, shape.world, backend="gloo", timeout=timeout,
                args=(cfg, shape, steps, batch, seq, micro_batches, lr, seed, sp, zero,
-                     recompute, schedule_kind))
+                     recompute, schedule_kind, recipe))
 
 
 def assemble(results: list[dict], shape: MeshShape) -> dict[str, torch.Tensor]:
@@ -453,18 +413,25 @@ def assemble(results: list[dict], shape: MeshShape) -> dict[str, torch.Tensor]:
 def mesh_check(cfg: GPTConfig, shape: MeshShape, *, steps: int = 3, batch: int = 8,
                seq: int = 16, lr: float = 1e-2, seed: int = 0, **kwargs) -> dict:
     """:func:`mesh_train` against one process (:func:`parlearn.context_parallel.serial_train`
-    with Adam, the same batches): ``{"loss": max |loss difference| over steps, "params": max
-    |parameter difference|, "replicas": max difference between dp replicas' shards,
-    "results": the ranks' dicts}``."""
+    with Adam, or with the same ``recipe=`` in ``kwargs``; the same batches): ``{"loss": max
+    |loss difference| over steps, "params": max |parameter difference|, "replicas": max
+    difference between dp replicas' shards, "grad_norm": max |global gradient norm
+    difference| (with a recipe, else None), "results": the ranks' dicts}``."""
     same = dict(steps=steps, batch=batch, seq=seq, lr=lr, seed=seed)  # both runs see these
     results = mesh_train(cfg, shape, **same, **kwargs)
-    ref = serial_train(cfg, **same, optimizer="adam")
+    recipe = kwargs.get("recipe")
+    ref = serial_train(cfg, **same, optimizer="adam" if recipe is None else "adamw",
+                       recipe=recipe)
     got = assemble(results, shape)
     if set(got) != set(ref["params"]):
         raise RuntimeError(f"the mesh lost parameters: {set(ref['params']) ^ set(got)}")
     losses = results[shape.rank(shape.pp - 1, 0, 0)]["loss"]
     replicas = max((r["params"][n] - results[shape.rank(r["coords"]["pp"], 0, r["coords"]["tp"])]
                     ["params"][n]).abs().max().item() for r in results for n in r["params"])
+    norms = results[0]["grad_norm"]
     return {"loss": max(abs(a - b) for a, b in zip(losses, ref["loss"], strict=True)),
             "params": max((got[n] - ref["params"][n]).abs().max().item() for n in got),
-            "replicas": replicas, "results": results}
+            "replicas": replicas,
+            "grad_norm": None if recipe is None else max(
+                abs(a - b) for a, b in zip(norms, ref["grad_norm"], strict=True)),
+            "results": results}

@@ -34,8 +34,8 @@ __all__ = ["torch_mesh_worker", "torch_mesh_train"]
 
 
 def _check_args(cfg, dp, tp, steps, batch, seq, lr, seed) -> None:
-    from parlearn.multi_device.mesh.composed import check_plan
     from parlearn.multi_device.mesh.layout import MeshShape
+    from parlearn.multi_device.mesh.stage import check_plan
 
     dp, tp = check_int("dp", dp, lo=1), check_int("tp", tp, lo=1)
     for name, v in (("steps", steps), ("batch", batch), ("seq", seq)):

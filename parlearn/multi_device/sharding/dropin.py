@@ -22,18 +22,19 @@ what the ZeRO model says it should.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.distributed as tdist
 from torch import nn
 
 from parlearn.core.checks import check_choice, check_float, check_int
+from parlearn.core.recipe import Recipe
 
 __all__ = ["VARIANTS", "dropin_check", "recipe_worker"]
 
 VARIANTS = ("ddp", "zero1", "zero2", "torch zero", "fsdp")
-LR, CLIP, DECAY = 3e-3, 0.5, 0.1
+LR = 3e-3
+RECIPE = Recipe(weight_decay=0.1, clip=0.5, warmup=2, betas=(0.9, 0.999))
 
 
 def _model(seed: int) -> nn.Module:
@@ -52,27 +53,16 @@ def _batches(steps: int, batch: int, seed: int) -> list[tuple[torch.Tensor, torc
              torch.randn(batch, 4, generator=g, dtype=torch.float64)) for _ in range(steps)]
 
 
-def _groups(params) -> list[dict]:
-    params = list(params)
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": DECAY},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-
-
-def _schedule(opt, steps: int):
-    warm = 2
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warm) * (
-        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps))))
-
-
 def _one_process(steps: int, batch: int, seed: int) -> list[dict[str, torch.Tensor]]:
     model = _model(seed)
-    opt = torch.optim.AdamW(_groups(model.parameters()), lr=LR)
-    sched = _schedule(opt, steps)
+    opt = torch.optim.AdamW(RECIPE.param_groups(model.parameters()), lr=LR,
+                            betas=RECIPE.betas)
+    sched = RECIPE.scheduler(opt, steps)
     out = []
     for x, y in _batches(steps, batch, seed):
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), RECIPE.clip)
         opt.step()
         sched.step()
         out.append({n: p.detach().clone() for n, p in model.named_parameters()})
@@ -90,13 +80,13 @@ def recipe_worker(rank: int, world_size: int, variant: str, steps: int, batch: i
 
     _check(variant, steps, batch, micro_batches, seed, world_size)
     model = _model(seed)
+    groups, kw = RECIPE.param_groups(model.parameters()), {"lr": LR, "betas": RECIPE.betas}
     if variant == "ddp":
         wrapped = BucketedDP(model, bucket_bytes=2**12, record=False)
-        opt = torch.optim.AdamW(_groups(model.parameters()), lr=LR)
+        opt = torch.optim.AdamW(groups, **kw)
     elif variant in ("zero1", "zero2"):
         wrapped = model
-        opt = ShardedOptimizer(_groups(model.parameters()), torch.optim.AdamW,
-                               stage=int(variant[-1]), lr=LR)
+        opt = ShardedOptimizer(groups, torch.optim.AdamW, stage=int(variant[-1]), **kw)
     elif variant == "torch zero":
         import warnings
 
@@ -104,15 +94,15 @@ def recipe_worker(rank: int, world_size: int, variant: str, steps: int, batch: i
             warnings.simplefilter("ignore", DeprecationWarning)   # TorchScript in torch 2.13
             from torch.distributed.optim import ZeroRedundancyOptimizer
         wrapped = model
-        opt = ZeroRedundancyOptimizer(_groups(model.parameters()),
-                                      optimizer_class=torch.optim.AdamW, lr=LR)
+        opt = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kw)
     else:
         wrapped = shard_module(model, flat_by=lambda name, p: "decay" if p.dim() >= 2
                                else "none")
-        opt = torch.optim.AdamW([{"params": model.fsdp.shards("decay"), "weight_decay": DECAY},
+        opt = torch.optim.AdamW([{"params": model.fsdp.shards("decay"),
+                                  "weight_decay": RECIPE.weight_decay},
                                  {"params": model.fsdp.shards("none"), "weight_decay": 0.0}],
-                                lr=LR)
-    sched = _schedule(opt, steps)
+                                **kw)
+    sched = RECIPE.scheduler(opt, steps)
     local, out = batch // world_size, {"params": []}
     micro = local // micro_batches
     for x, y in _batches(steps, batch, seed):
@@ -126,16 +116,16 @@ def recipe_worker(rank: int, world_size: int, variant: str, steps: int, batch: i
                 loss = nn.functional.mse_loss(wrapped(x[part]), y[part]) / micro_batches
                 loss.backward()
         if variant == "fsdp":
-            model.fsdp.clip_grad_norm_(CLIP)
+            model.fsdp.clip_grad_norm_(RECIPE.clip)
         elif variant in ("zero1", "zero2"):
             opt.reduce_gradients()
-            opt.clip_grad_norm_(CLIP)
+            opt.clip_grad_norm_(RECIPE.clip)
         else:
             if variant == "torch zero":   # no wrapper averaged the gradients: do it here
                 for p in model.parameters():
                     tdist.all_reduce(p.grad)
                     p.grad.div_(world_size)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)  # grads replicated
+            torch.nn.utils.clip_grad_norm_(model.parameters(), RECIPE.clip)  # grads replicated
         opt.step()
         sched.step()
         out["params"].append(model.fsdp.full_state_dict() if variant == "fsdp" else

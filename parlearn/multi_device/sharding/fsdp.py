@@ -191,8 +191,10 @@ class ShardedModule:
 
     # -- collectives ------------------------------------------------------------------
 
-    def _all_gather(self, shard: torch.Tensor) -> torch.Tensor:
-        dtype = self.policy.param_dtype or shard.dtype
+    def _all_gather(self, shard: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The flat parameter from every rank's shard, in ``dtype`` (default: the policy's
+        compute dtype, what forward and backward use)."""
+        dtype = dtype or self.policy.param_dtype or shard.dtype
         out = torch.empty(shard.numel() * self.world, dtype=dtype, device=shard.device)
         tdist.all_gather_single(out, shard.to(dtype).contiguous(), group=self.group)
         return out
@@ -317,7 +319,9 @@ class ShardedModule:
         for unit, flats in self.units:
             prefix = next((n for n, m in self.module.named_modules() if m is unit), "")
             for flat in flats:
-                full = self._all_gather(flat.shard.detach()).to(flat.shard.dtype)
+                # In the shards' own (master) dtype: the policy's param_dtype would round
+                # fp32 weights to bf16/fp16 on the way.
+                full = self._all_gather(flat.shard.detach(), flat.shard.dtype)
                 for (sub, name), i in zip(flat.owners, flat.index, strict=True):
                     sub_name = next(n for n, m in unit.named_modules() if m is sub)
                     key = ".".join(x for x in (prefix, sub_name, name) if x)

@@ -18,7 +18,6 @@ two agree exactly (tested).
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 
 import torch
@@ -33,6 +32,7 @@ from parlearn.core.checks import (
     check_tensor,
 )
 from parlearn.core.device import threads as device_threads
+from parlearn.core.recipe import Recipe
 from parlearn.multi_device.transformer.corpus import CharCorpus, get_batch, pydoc_corpus
 from parlearn.multi_device.transformer.model import (
     GPT,
@@ -128,7 +128,8 @@ def train(cfg: GPTConfig | None = None, *, steps: int = 300, batch: int = 32,
           eval_every: int = 50, seed: int = 0, autocast: torch.dtype | None = None,
           progress: bool | Callable[[float, str], None] = True,
           threads: int | None = None) -> dict:
-    """Train a :class:`GPT` with AdamW (cosine decay after a short warm-up) on ``corpus``
+    """Train a :class:`GPT` with :class:`parlearn.core.recipe.Recipe` (AdamW, weight decay 0.1
+    on matrices only, global-norm clip 1.0, cosine decay after a warm-up of 5%) on ``corpus``
     (default :func:`pydoc_corpus`); returns ``{"model", "steps", "train_loss",
     "eval_steps", "val_loss", "tokens"}``.
 
@@ -170,10 +171,9 @@ def _train(cfg, corpus, steps, batch, seq, lr, device, dtype, eval_every, seed, 
            progress) -> dict:
     """The training loop of :func:`train`, its arguments already checked."""
     model = GPT(cfg, dtype=dtype, device=device)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    warm = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warm) * (
-        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps))))
+    recipe = Recipe(weight_decay=0.1, clip=1.0, warmup=max(1, steps // 20))
+    opt = torch.optim.AdamW(recipe.param_groups(model.parameters()), lr=lr, betas=recipe.betas)
+    sched = recipe.scheduler(opt, steps)
     g = torch.Generator().manual_seed(seed)
     out: dict = {"steps": [], "train_loss": [], "eval_steps": [], "val_loss": []}
     bar = tqdm(range(steps), desc="training tiny GPT", disable=progress is not True,
@@ -185,7 +185,7 @@ def _train(cfg, corpus, steps, batch, seq, lr, device, dtype, eval_every, seed, 
             _, loss = model(x.to(device), y.to(device))
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip)
         opt.step()
         sched.step()
         out["steps"].append(step + 1)
