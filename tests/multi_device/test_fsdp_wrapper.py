@@ -42,19 +42,20 @@ def _train(rank: int, world: int, mode: str) -> dict:
     x, y = zoo.batch(BATCH, torch.float64, seed=5)
     mine = list(range(rank * BATCH // world, (rank + 1) * BATCH // world))
     out = {}
+    vectors = (lambda n, p: p.dim() < 2) if mode.startswith("replicate") else None
     for name in MODELS:
-        model = shard_module(zoo.build(name, torch.float64))
+        model = shard_module(zoo.build(name, torch.float64), replicate=vectors)
         opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
         held = []
         for _ in range(STEPS):
             opt.zero_grad()
-            if mode == "one":
+            if mode in ("one", "replicate"):
                 loss = _loss(model, x[mine], y[mine])
                 held.append(model.fsdp.held_bytes()["gathered"])   # after forward: resharded
                 loss.backward()
             else:
                 halves = (mine[: len(mine) // 2], mine[len(mine) // 2:])
-                with model.fsdp.no_sync() if mode == "no_sync" else _null():
+                with model.fsdp.no_sync() if mode.endswith("no_sync") else _null():
                     (_loss(model, x[halves[0]], y[halves[0]]) / 2).backward()
                 (_loss(model, x[halves[1]], y[halves[1]]) / 2).backward()
             opt.step()
@@ -82,8 +83,10 @@ class _null:
         return False
 
 
-@pytest.mark.parametrize("mode", ["one", "accumulate", "no_sync"])
+@pytest.mark.parametrize("mode", ["one", "accumulate", "no_sync", "replicate",
+                                  "replicate+no_sync"])
 def test_equal_to_one_process_on_the_zoo(mode):
+    """"replicate": biases and norms' gains kept whole on every rank (all-reduced)."""
     results = dist.run(_train, 2, args=(mode,), timeout=60)
     for name in MODELS:
         ref = _serial(name)
@@ -95,6 +98,37 @@ def test_equal_to_one_process_on_the_zoo(mode):
             if mode == "one":
                 assert held_after_forward == [0] * STEPS   # nothing gathered stays after forward
                 assert held["shards"] == _modeled_shard_bytes(name, 2), name
+
+
+def _replicated_grads(rank: int, world: int) -> dict:
+    x, y = zoo.batch(BATCH, torch.float64, seed=5)
+    mine = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    base = zoo.build("layernorm", torch.float64)
+    model = shard_module(copy.deepcopy(base), replicate=lambda n, p: p.dim() < 2)
+    _loss(model, x[mine], y[mine]).backward()
+    flats = [f for _, fs in model.fsdp.units for f in fs]
+    norm = model.fsdp.clip_grad_norm_(1e-3)
+    ref = copy.deepcopy(base)
+    _loss(ref, x, y).backward()
+    return {"replicated": [(f.shard.numel(), f.numel, f.shard.grad.clone()) for f in flats
+                           if f.replicated],
+            "sharded": [f.shard.numel() for f in flats if not f.replicated],
+            "norm": float(norm),
+            "want": float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3)),
+            "vectors": sum(p.numel() for p in base.parameters() if p.dim() < 2)}
+
+
+def test_replicated_parameters_stay_whole_with_the_same_gradient_on_every_rank():
+    """Every rank holds the whole vectors, their gradient is the same on every rank (the
+    all-reduced average), and the global norm counts them once: equal to torch's norm of
+    the one-process gradient."""
+    r0, r1 = dist.run(_replicated_grads, 2, timeout=60)
+    assert sum(n for n, _, _ in r0["replicated"]) == r0["vectors"] > 0
+    assert all(n == whole for n, whole, _ in r0["replicated"])      # not cut, not padded
+    for (_, _, g0), (_, _, g1) in zip(r0["replicated"], r1["replicated"], strict=True):
+        assert torch.equal(g0, g1)
+    assert r0["sharded"] and r0["sharded"] == r1["sharded"]
+    assert abs(r0["norm"] - r0["want"]) < 1e-12 and r0["norm"] == r1["norm"]
 
 
 def test_frozen_parameters_never_move():

@@ -36,6 +36,12 @@ trainable parameter a key, each unit keeps one flat shard per key, and
 (one more all-gather per key and unit). :meth:`ShardedModule.clip_grad_norm_` clips by the
 norm over all ranks.
 
+``replicate(name, param) -> bool`` keeps the parameters it picks whole on every rank instead
+(a unit's extra flat that is not cut: its "gather" is a local cast, its gradient is
+all-reduced and averaged instead of reduce-scattered). Small vectors such as norms' gains
+cost a message each to shard and save almost nothing; course FSDP implementations and
+FSDP2 with ``fully_shard`` on the linears only keep them replicated like this.
+
 Memory per rank (modeled, :meth:`ShardedModule.held_bytes` measures it): every unit's shard
 (``padded / N`` elements) and, while a unit runs, that unit's gathered buffer.
 """
@@ -83,8 +89,12 @@ class _Flat:
     padded flat shard."""
 
     def __init__(self, owners: list[tuple[nn.Module, str]], params: list[nn.Parameter],
-                 world: int, rank: int, trainable: bool, key: Hashable = None):
+                 world: int, rank: int, trainable: bool, key: Hashable = None,
+                 replicated: bool = False):
         self.owners, self.trainable, self.key = owners, trainable, key
+        self.replicated = replicated
+        if replicated:   # one "shard" that is the whole flat, on every rank
+            world, rank = 1, 0
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
@@ -109,7 +119,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, wrapper: ShardedModule, flat: _Flat):
         ctx.wrapper, ctx.flat = wrapper, flat
-        return wrapper._all_gather(flat.shard.detach())
+        return wrapper._gather(flat)
 
     @staticmethod
     def backward(ctx, grad_full):
@@ -125,8 +135,12 @@ class _Gather(torch.autograd.Function):
             flat.pending = grad_full.detach().to(flat.shard.dtype)
             return None, None, None
         reduce = w.policy.reduce_dtype or w.policy.param_dtype or flat.shard.dtype
-        out = torch.empty(flat.shard_numel, dtype=reduce, device=grad_full.device)
-        tdist.reduce_scatter_single(out, grad_full.to(reduce).contiguous(), group=w.group)
+        if flat.replicated:
+            out = grad_full.to(reduce, copy=True).contiguous()
+            tdist.all_reduce(out, group=w.group)
+        else:
+            out = torch.empty(flat.shard_numel, dtype=reduce, device=grad_full.device)
+            tdist.reduce_scatter_single(out, grad_full.to(reduce).contiguous(), group=w.group)
         return out.div_(w.world).to(flat.shard.dtype), None, None
 
 
@@ -136,7 +150,7 @@ class ShardedModule:
 
     def __init__(self, module: nn.Module, units: list[nn.Module], group: Any,
                  policy: MixedPrecisionPolicy, reshard_after_forward: bool,
-                 keys: dict[int, Hashable]):
+                 keys: dict[int, Hashable], replicated: set[int] = frozenset()):
         self.module, self.group, self.policy = module, group, policy
         self.reshard = reshard_after_forward
         self.world, self.rank = tdist.get_world_size(group), tdist.get_rank(group)
@@ -159,24 +173,25 @@ class ShardedModule:
                     claimed[id(p)] = str(id(unit))
                     owners.append((sub, name, p))
             flats = []
-            # One flat per kind: (True, key) for each flat_by key in order of first use,
-            # then (False, None) for the frozen parameters.
-            kinds: list[tuple[bool, Hashable]] = []
+            # One flat per kind: (True, key, replicated) for each flat_by key in order of
+            # first use, then (False, None, replicated) for the frozen parameters.
+            def kind_of(p):
+                return (p.requires_grad, keys[id(p)] if p.requires_grad else None,
+                        id(p) in replicated)
+            kinds: list[tuple[bool, Hashable, bool]] = []
             for _, _, p in owners:
-                kind = (True, keys[id(p)]) if p.requires_grad else (False, None)
-                if kind not in kinds:
-                    kinds.append(kind)
+                if kind_of(p) not in kinds:
+                    kinds.append(kind_of(p))
             kinds.sort(key=lambda kind: not kind[0])   # stable: trainable first
-            for trainable, key in kinds:
+            for trainable, key, whole in kinds:
                 mine = [(s, n, p) for s, n, p in owners
-                        if (p.requires_grad, keys[id(p)] if p.requires_grad else None)
-                        == (trainable, key)]
+                        if kind_of(p) == (trainable, key, whole)]
                 seen: dict[int, nn.Parameter] = {}
                 for _, _, p in mine:
                     seen.setdefault(id(p), p)
                 params = list(seen.values())
                 flat = _Flat([(s, n) for s, n, _ in mine], params, self.world, self.rank,
-                             trainable, key)
+                             trainable, key, replicated=whole)
                 flat.index = [next(i for i, q in enumerate(params) if q is p)
                               for _, _, p in mine]
                 flats.append(flat)
@@ -191,10 +206,14 @@ class ShardedModule:
 
     # -- collectives ------------------------------------------------------------------
 
-    def _all_gather(self, shard: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The flat parameter from every rank's shard, in ``dtype`` (default: the policy's
-        compute dtype, what forward and backward use)."""
+    def _gather(self, flat: _Flat, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``flat``'s whole parameter buffer from every rank's shard, in ``dtype`` (default:
+        the policy's compute dtype, what forward and backward use); a replicated flat is
+        whole already: a local copy in ``dtype``."""
+        shard = flat.shard.detach()
         dtype = dtype or self.policy.param_dtype or shard.dtype
+        if flat.replicated:
+            return shard.to(dtype, copy=True)
         out = torch.empty(shard.numel() * self.world, dtype=dtype, device=shard.device)
         tdist.all_gather_single(out, shard.to(dtype).contiguous(), group=self.group)
         return out
@@ -206,7 +225,7 @@ class ShardedModule:
             full = _Gather.apply(flat.shard, self, flat)
         else:
             with torch.no_grad():
-                full = self._all_gather(flat.shard.detach())
+                full = self._gather(flat)
         flat.full = full
         views = [full[off:off + n].view(shape) for off, n, shape
                  in zip(flat.offsets, flat.numels, flat.shapes, strict=True)]
@@ -262,7 +281,7 @@ class ShardedModule:
         _, flat, shape, stride, offset = packed
         if flat.regathered is None:
             with torch.no_grad():
-                flat.regathered = self._all_gather(flat.shard.detach())
+                flat.regathered = self._gather(flat)
         return flat.regathered.as_strided(shape, stride, offset)
 
     # -- what users call --------------------------------------------------------------
@@ -296,13 +315,16 @@ class ShardedModule:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model: each rank holds a shard of
         every gradient, so the shards' ``norm_type`` powers are summed over the ranks (one
         all-reduce) before every shard is scaled by the same factor. Padding has gradient 0
-        and adds nothing. Returns the total norm before clipping."""
+        and adds nothing. A replicated flat's gradient is the same on every rank: rank 0
+        alone counts it. Returns the total norm before clipping."""
         max_norm = check_float("max_norm", max_norm, lo=0, lo_open=True)
         norm_type = check_float("norm_type", norm_type, lo=1)
-        grads = [f.shard.grad for _, fs in self.units for f in fs if f.shard.grad is not None]
+        flats = [f for _, fs in self.units for f in fs if f.shard.grad is not None]
+        grads = [f.shard.grad for f in flats]
         total = torch.zeros((), dtype=torch.float64)
-        for g in grads:
-            total += g.detach().double().abs().pow(norm_type).sum().cpu()
+        for f in flats:
+            if not f.replicated or self.rank == 0:
+                total += f.shard.grad.detach().double().abs().pow(norm_type).sum().cpu()
         tdist.all_reduce(total, group=self.group)
         norm = total.pow(1.0 / norm_type)
         coef = max_norm / (float(norm) + 1e-6)
@@ -321,7 +343,7 @@ class ShardedModule:
             for flat in flats:
                 # In the shards' own (master) dtype: the policy's param_dtype would round
                 # fp32 weights to bf16/fp16 on the way.
-                full = self._all_gather(flat.shard.detach(), flat.shard.dtype)
+                full = self._gather(flat, flat.shard.dtype)
                 for (sub, name), i in zip(flat.owners, flat.index, strict=True):
                     sub_name = next(n for n, m in unit.named_modules() if m is sub)
                     key = ".".join(x for x in (prefix, sub_name, name) if x)
@@ -379,16 +401,21 @@ def shard_module(module: nn.Module, *, group: Any = None,
                  mp_policy: MixedPrecisionPolicy | None = None,
                  units: Sequence[nn.Module] | None = None,
                  reshard_after_forward: bool = True,
-                 flat_by: Callable[[str, nn.Parameter], Hashable] | None = None) -> nn.Module:
+                 flat_by: Callable[[str, nn.Parameter], Hashable] | None = None,
+                 replicate: Callable[[str, nn.Parameter], bool] | None = None) -> nn.Module:
     """Shard ``module``'s parameters over ``group`` in place (module docstring) and return
     it; ``module.fsdp`` is its :class:`ShardedModule`. ``flat_by(name, param)``, called once
     per trainable parameter, splits each unit's shard by key, for param groups
-    (:meth:`ShardedModule.shards`). Every rank must pass the same model (same parameter
-    names, shapes and keys, checked before the first message)."""
+    (:meth:`ShardedModule.shards`). ``replicate(name, param)`` (a bool per parameter)
+    keeps the parameters it picks whole on every rank, their gradients all-reduced. Every
+    rank must pass the same model (same parameter names, shapes, keys and choices, checked
+    before the first message)."""
     check_module("module", module)
     check_bool("reshard_after_forward", reshard_after_forward)
     if flat_by is not None:
         check_callable("flat_by", flat_by)
+    if replicate is not None:
+        check_callable("replicate", replicate)
     policy = MixedPrecisionPolicy() if mp_policy is None else mp_policy
     if not isinstance(policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
@@ -417,8 +444,16 @@ def shard_module(module: nn.Module, *, group: Any = None,
         except TypeError:
             raise TypeError(f"flat_by must return a hashable key, got {keys[id(p)]!r} for "
                             f"{name!r}") from None
-    agree({"module (parameter names, shapes, dtypes, requires_grad, flat_by keys)":
-           [(n, tuple(p.shape), str(p.dtype), p.requires_grad, repr(keys[id(p)]))
-            for n, p in module.named_parameters()]}, group=group)
-    module.fsdp = ShardedModule(module, units, group, policy, reshard_after_forward, keys)
+    whole: set[int] = set()
+    for name, p in module.named_parameters():
+        choice = False if replicate is None else replicate(name, p)
+        if not isinstance(choice, bool):
+            raise TypeError(f"replicate must return a bool, got {choice!r} for {name!r}")
+        if choice:
+            whole.add(id(p))
+    agree({"module (parameter names, shapes, dtypes, requires_grad, flat_by keys, replicated)":
+           [(n, tuple(p.shape), str(p.dtype), p.requires_grad, repr(keys[id(p)]),
+             id(p) in whole) for n, p in module.named_parameters()]}, group=group)
+    module.fsdp = ShardedModule(module, units, group, policy, reshard_after_forward, keys,
+                                whole)
     return module
