@@ -203,7 +203,9 @@ def _bad(rank: int, world: int, which: str):
     kwargs = {"policy": dict(mp_policy="bf16"), "reshard": dict(reshard_after_forward=1),
               "units": dict(units=[nn.Linear(2, 2)]), "bn": {}, "module": {},
               "flat_by": dict(flat_by="by dim"), "unhashable": dict(flat_by=lambda n, p: [n]),
-              "key": dict(flat_by=lambda n, p: p.dim())}[which]
+              "key": dict(flat_by=lambda n, p: p.dim()),
+              "replicate": dict(replicate="vectors"),
+              "replicate_bool": dict(replicate=lambda n, p: p.dim())}[which]
     shard_module(3 if which == "module" else model, **kwargs)
     model.fsdp.shards("decay")   # keys are 1 and 2 here
 
@@ -212,7 +214,9 @@ def _bad(rank: int, world: int, which: str):
                                          ("reshard", "reshard_after_forward"),
                                          ("units", "units"), ("bn", "BatchNorm1d"),
                                          ("module", "module"), ("flat_by", "flat_by"),
-                                         ("unhashable", "flat_by"), ("key", "key")])
+                                         ("unhashable", "flat_by"), ("key", "key"),
+                                         ("replicate", "replicate"),
+                                         ("replicate_bool", "replicate")])
 def test_bad_arguments_fail_on_every_rank_naming_them(which, name):
     assert_refused_on_every_rank(_bad, (which,), name=name)
 
