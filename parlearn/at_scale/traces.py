@@ -204,18 +204,37 @@ def profile_ranks(worker: Callable, world_size: int, *, args: Sequence = (), out
 
 def dp_step_worker(rank: int, world_size: int, kind: str, steps: int = 3,
                    widths: Sequence[int] = (256, 1024, 1024, 10), bucket_bytes: int = 2**20,
-                   seed: int = 0) -> int:
+                   seed: int = 0, slow_rank: int | None = None, extra_s: float = 0.0) -> int:
     """Worker: ``steps`` SGD steps of an MLP under ``kind`` (``"naive"``, ``"bucketed"``
     data parallelism from lesson 11, ``"ddp"``, torch's, or ``"zero3"``: the MLP under
     :func:`parlearn.sharding.shard_module`, lesson 12's FSDP-style wrapper, which
     all-gathers each layer's parameters in forward and again in backward and
     reduce-scatters its gradient), each phase labelled for the trace (``forward``,
-    ``backward``, ``optimizer``). Returns the number of steps."""
-    _dp_steps(rank, world_size, kind, steps, widths, bucket_bytes, seed, None)
+    ``backward``, ``optimizer``). ``slow_rank`` computes ``extra_s`` seconds more at the
+    start of each step (matmuls labelled ``extra``: an uneven batch, a straggler).
+    Returns the number of steps."""
+    if slow_rank is not None:
+        check_int("slow_rank", slow_rank, lo=0, hi=world_size - 1)
+    check_float("extra_s", extra_s, lo=0)
+    _dp_steps(rank, world_size, kind, steps, widths, bucket_bytes, seed, None,
+              extra_s if rank == slow_rank else 0.0)
     return steps
 
 
-def _dp_steps(rank, world_size, kind, steps, widths, bucket_bytes, seed, times) -> None:
+def _busy(seconds: float) -> None:
+    """Compute (small matmuls) for ``seconds``."""
+    import time
+
+    import torch
+
+    a = torch.ones(64, 64)
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        a = (a @ a) * (1 / 64)
+
+
+def _dp_steps(rank, world_size, kind, steps, widths, bucket_bytes, seed, times,
+              extra_s: float = 0.0) -> None:
     """The model and wrapper are built once; with ``times`` a list, each step is timed
     (after a barrier, so every rank starts it together) and appended."""
     import time
@@ -250,6 +269,9 @@ def _dp_steps(rank, world_size, kind, steps, widths, bucket_bytes, seed, times) 
             tdist.barrier()
             t0 = time.perf_counter()
         with record_function("forward"):
+            if extra_s:
+                with record_function("extra"):
+                    _busy(extra_s)
             loss = torch.nn.functional.cross_entropy(wrapped(x), y)
         with record_function("backward"):
             loss.backward()

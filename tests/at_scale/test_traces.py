@@ -83,6 +83,10 @@ def test_worker_refuses_on_every_rank():
 
     assert_refused_on_every_rank(T.dp_step_worker, ("zero",), name="kind")
     assert_refused_on_every_rank(T.dp_step_worker, ("naive", 0), name="steps")
+    assert_refused_on_every_rank(T.dp_step_worker, ("naive", 1, (4, 2), 2**20, 0, 2, 0.1),
+                                 name="slow_rank")
+    assert_refused_on_every_rank(T.dp_step_worker, ("naive", 1, (4, 2), 2**20, 0, 1, -1.0),
+                                 name="extra_s")
 
 
 def test_timed_worker_times_each_step_and_refuses_bad_calls():

@@ -254,6 +254,8 @@ COVERED_ELSEWHERE: dict[str, str | list[str]] = {
                            "test_mesh_rank_and_save_refuse_bad_calls_on_every_rank",
     A + "checkpoint.load": "tests/at_scale/test_checkpoint.py::"
                            "test_load_refuses_a_checkpoint_of_another_model_on_every_rank",
+    A + "critical.critical_path": "tests/at_scale/test_critical.py::"
+                                  "test_different_programs_and_bad_arguments_are_refused",
     A + "train.train_worker": "tests/at_scale/test_train.py::test_a_spec_is_checked_when_built",
     A + "train.main":
         "tests/at_scale/test_train.py::test_the_command_line_refuses_nccl_and_bad_flags",
