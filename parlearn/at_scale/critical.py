@@ -63,10 +63,13 @@ def _calls(trace, window: tuple[float, float],
 
 
 def critical_path(traces: Sequence, *, step: int = 0,
+                  labels: tuple[str, str] = ("forward", "optimizer"),
                   prefixes: Iterable[str] = CALL_PREFIXES) -> dict:
-    """The critical path of training step ``step`` (0-based, cut by the ``forward`` ...
-    ``optimizer`` labels, :func:`~parlearn.at_scale.traces.step_windows`) across
-    ``traces``, one per rank in rank order (module docstring). Returns:
+    """The critical path of training step ``step`` (0-based, cut from each ``labels[0]``
+    span's start to the end of the ``labels[1]`` span after it,
+    :func:`~parlearn.at_scale.traces.step_windows`; the mesh trainer labels its whole step
+    ``("step", "step")``) across ``traces``, one per rank in rank order (module docstring).
+    Returns:
 
     - ``"segments"``: ``[(kind, rank, name, start, end)]`` in order, ``kind`` "work" (on
       ``rank``) or "comm" (the collective ``name``; ``rank`` its straggler);
@@ -82,9 +85,12 @@ def critical_path(traces: Sequence, *, step: int = 0,
         raise TypeError("traces must be a sequence of traces, one per rank, got "
                         f"{type(traces).__name__}")
     step = check_int("step", step, lo=0)
+    if (not isinstance(labels, tuple) or len(labels) != 2
+            or not all(isinstance(x, str) for x in labels)):
+        raise TypeError(f"labels must be a (first, last) pair of span names, got {labels!r}")
     windows = []
     for r, trace in enumerate(traces):
-        ws = step_windows(trace)
+        ws = step_windows(trace, *labels)
         if step >= len(ws):
             raise ValueError(f"step={step} but traces[{r}] holds {len(ws)} steps")
         windows.append(ws[step])

@@ -14,6 +14,11 @@ the end. Because a step's batch is a function of the seed and the step number, a
 run takes exactly the steps the uninterrupted run would have taken: its final parameters
 equal the uninterrupted run's (float64, to round-off).
 
+``--trace DIR`` profiles the run's last ``--trace-steps`` steps with ``torch.profiler`` and
+writes one Chrome trace per rank, ``DIR/rank<r>.json`` (open it in Perfetto): read them
+with :func:`parlearn.at_scale.traces.breakdown` and, all ranks together,
+:func:`parlearn.at_scale.critical.critical_path` (``labels=("step", "step")``).
+
 ``--fail-at S --fail-rank R`` kills rank R with SIGKILL after S steps, on the job's
 FIRST attempt only (``TORCHELASTIC_RESTART_COUNT`` is 0): ``torchrun --max-restarts 1``
 then stops the other ranks, starts all of them again, and they resume from the last
@@ -58,7 +63,8 @@ class TrainSpec:
     ``ckpt``: a folder for checkpoints (None: none); ``every``: save every that many steps
     (0: only at the end). ``fail_at``/``fail_rank``: an injected SIGKILL of that rank
     after ``fail_at`` steps (first attempt only). ``peak_tflops``: one rank's peak, for
-    MFU. ``log``: print a line per step.
+    MFU. ``log``: print a line per step. ``trace``: a folder for one Chrome trace per rank
+    of the last ``trace_steps`` steps (None: no profiler).
     """
 
     dp: int = 1
@@ -81,6 +87,8 @@ class TrainSpec:
     fail_rank: int = 0
     peak_tflops: float | None = None
     log: bool = True
+    trace: str | None = None
+    trace_steps: int = 2
 
     def __post_init__(self) -> None:
         from parlearn.multi_device.mesh.composed import check_train_args
@@ -99,6 +107,10 @@ class TrainSpec:
         if self.peak_tflops is not None:
             check_float("peak_tflops", self.peak_tflops, lo=0, lo_open=True)
         check_bool("log", self.log)
+        if self.trace is not None and (not isinstance(self.trace, str) or not self.trace):
+            raise TypeError(f"trace must be a folder path (str) or None, got {self.trace!r}")
+        check_int("trace_steps", self.trace_steps, lo=1,
+                  hi=self.steps if self.trace is not None else None)
         check_train_args(self.cfg, self.shape, self.steps, self.batch, self.seq,
                          self.micro_batches, self.lr, self.seed, self.sp, self.zero, "none",
                          "1f1b")
@@ -169,7 +181,11 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec) -> dict:
     flops = tokens * flops_per_token(spec.cfg, spec.seq)
     out: dict = {"coords": me.coords, "start": start, "loss": {}, "step_s": [], "saves": []}
     batches = train_batches(spec.steps, spec.batch, spec.seq, spec.seed)
+    traced = max(start, spec.steps - spec.trace_steps) if spec.trace else None
+    prof = None
     for step in range(start, spec.steps):
+        if step == traced:
+            prof = _start_profiler()
         if step == spec.fail_at and rank == spec.fail_rank and _attempt() == 0:
             lines.append(f"after {step} steps: injected failure, SIGKILL to rank {rank}")
             if spec.log:   # the dying rank says it, whichever rank logs the steps
@@ -187,6 +203,11 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec) -> dict:
                 f"{res['seconds'] * 1e3:7.1f} ms  {tokens / res['seconds']:9,.0f} tokens/s  "
                 f"{rate / 1e9:6.2f} GFLOP/s (model)  MFU {mfu}")
         done = step + 1
+        if prof is not None and done == spec.steps:
+            path = _stop_profiler(prof, spec.trace, rank)
+            say(f"wrote {os.path.join(spec.trace, 'rank<r>.json')} (one per rank): steps "
+                f"{traced + 1}-{spec.steps} under torch.profiler")
+            out["trace"] = path
         if spec.ckpt and (done == spec.steps or (spec.every and done % spec.every == 0)):
             saved = ckpt.save(me, ckpt.step_dir(spec.ckpt, done))
             out["saves"].append((done, saved["seconds"], saved["bytes"]))
@@ -195,6 +216,28 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec) -> dict:
     out["lines"] = lines
     out["params"] = {n: p.detach().clone() for n, p in me.model.named_parameters()}
     return out
+
+
+def _start_profiler():
+    from torch.profiler import ProfilerActivity, profile
+
+    from parlearn.at_scale.traces import _QuietStderr
+
+    prof = profile(activities=[ProfilerActivity.CPU])
+    with _QuietStderr():
+        prof.__enter__()
+    return prof
+
+
+def _stop_profiler(prof, folder: str, rank: int) -> str:
+    from parlearn.at_scale.traces import _QuietStderr
+
+    with _QuietStderr():
+        prof.__exit__(None, None, None)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"rank{rank}.json")
+    prof.export_chrome_trace(path)
+    return path
 
 
 def train(spec: TrainSpec, *, timeout: float = 120) -> list[dict]:

@@ -68,6 +68,8 @@ def test_different_programs_and_bad_arguments_are_refused():
         C.critical_path("rank0.json")
     with pytest.raises(ValueError, match="step"):
         C.critical_path([_rank(5, 10, 35)], step=-1)
+    with pytest.raises(TypeError, match="labels"):
+        C.critical_path([_rank(5, 10, 35)], labels="step")
 
 
 @pytest.mark.parametrize("kind", ["naive", "bucketed"])

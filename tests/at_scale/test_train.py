@@ -54,8 +54,21 @@ def test_without_restarts_the_killed_job_fails_and_leaves_its_last_checkpoint(tm
 
 
 def test_torchrun_resumes_a_run_on_another_mesh(tmp_path):
-    first = _torchrun(2, "--dp", "2", "--steps", "2", "--ckpt", str(tmp_path))
+    first = _torchrun(2, "--dp", "2", "--steps", "2", "--ckpt", str(tmp_path),
+                      "--trace", str(tmp_path / "traces"), "--trace-steps", "1")
     assert first.returncode == 0, first.stderr[-3000:]
+    # The first run also traced its last step, one Chrome trace per torchrun rank.
+    from parlearn.at_scale import critical, traces
+
+    assert "steps 2-2 under torch.profiler" in first.stdout
+    paths = [str(tmp_path / "traces" / f"rank{r}.json") for r in range(2)]
+    for path in paths:
+        b = traces.breakdown(path, window=traces.step_windows(path, "step", "step")[0])
+        assert b["compute"] > 0 and b["comm"] > 0
+        assert b["compute"] + b["exposed"] + b["idle"] == pytest.approx(b["step"])
+    cp = critical.critical_path(paths, labels=("step", "step"))
+    assert sum(b - a for *_, a, b in cp["segments"]) == pytest.approx(cp["step"], abs=1e-9)
+    assert cp["comm"] > 0 and len(cp["calls"]) >= 2   # ZeRO-1: a reduce-scatter, an all-gather
     second = _torchrun(2, "--tp", "2", "--steps", "4", "--ckpt", str(tmp_path))
     assert second.returncode == 0, second.stderr[-3000:]
     assert "dp=1 x tp=2 x pp=1 on 2 ranks, attempt 0, resumed from step 2" in second.stdout
@@ -85,6 +98,8 @@ def test_the_command_line_refuses_nccl_and_bad_flags():
     (dict(every=2), "every"), (dict(fail_at=20), "fail_at"), (dict(fail_rank=2, dp=2), "fail_rank"),
     (dict(ckpt=""), "ckpt"), (dict(tp=3), "tp"), (dict(sp=1), "sp"), (dict(zero=2), "zero"),
     (dict(peak_tflops=0.0), "peak_tflops"), (dict(log="yes"), "log"), (dict(dp=True), "dp"),
+    (dict(trace=""), "trace"), (dict(trace="t", trace_steps=21), "trace_steps"),
+    (dict(trace_steps=0), "trace_steps"),
 ])
 def test_a_spec_is_checked_when_built(kw, name):
     with pytest.raises((ValueError, TypeError), match=name):
