@@ -155,7 +155,8 @@ class BatchingFit:
         if self.points == 2:
             out[0] += "; fitted through 2 points, so the fit cannot be judged"
         elif self.points:
-            out[0] += f"; worst miss {self.residual:.0%} of a measured time over {self.points} points"
+            out[0] += (f"; worst miss {self.residual:.0%} of a measured time over "
+                       f"{self.points} points")
             if self.residual > SPREAD_LIMIT:
                 out.append("the straight line misses these times badly: read what follows as rough")
         share = self.t0 / (self.t0 + self.c * n)
@@ -169,8 +170,9 @@ class BatchingFit:
             out.append(f"at n = {n:.4g} the overhead t0 is {share:.0%} of a call: overhead-bound, "
                        f"extra items nearly free up to the knee n = t0/c = {self.knee:.3g}")
         else:
-            out.append(f"at n = {n:.4g} the items' own work is {1 - share:.0%} of a call: past the "
-                       f"knee n = t0/c = {self.knee:.3g}, more items cost nearly proportionally more")
+            out.append(f"at n = {n:.4g} the items' own work is {1 - share:.0%} of a call: past "
+                       f"the knee n = t0/c = {self.knee:.3g}, more items cost nearly "
+                       "proportionally more")
         if self.t0 > 0:
             limit = f"at most {bound:.3g}x" if self.c else "no limit in the model"
             out.append(f"modeled speedup over a loop of one-item calls {model:.3g}x, {limit} "
