@@ -51,6 +51,13 @@ def _series(name: str, value, *, positive: bool = True) -> np.ndarray:
     return arr
 
 
+def _duration(seconds: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds * 1e9:.3g} ns"
+
+
 def _items(name: str, n) -> np.ndarray | float:
     """``n`` (a number or an array) as floats >= 1: the model is a smooth curve in n."""
     if isinstance(n, numbers.Real) and not isinstance(n, bool):
@@ -150,8 +157,8 @@ class BatchingFit:
             measured_speedup = check_float("measured_speedup", measured_speedup, lo=0,
                                            lo_open=True)
         model, bound = float(self.speedup(n, one)), self.max_speedup(one)
-        out = [f"t(n) = t0 + c n with t0 = {self.t0 * 1e6:.3g} us per call and "
-               f"c = {self.c * 1e6:.3g} us per item (modeled)"]
+        out = [f"t(n) = t0 + c n with t0 = {_duration(self.t0)} per call and "
+               f"c = {_duration(self.c)} per item (modeled)"]
         if self.points == 2:
             out[0] += "; fitted through 2 points, so the fit cannot be judged"
         elif self.points:
