@@ -33,7 +33,7 @@ SHORT_NAMES: dict[str, str] = {
     "device": "core.device", "timing": "core.timing", "settings": "core.settings",
     "checks": "core.checks", "viz": "core.viz", "widgets": "core.widgets",
     "datasets": "core.datasets", "models": "core.models", "basics": "core.basics",
-    "recipe": "core.recipe",
+    "recipe": "core.recipe", "overhead": "core.overhead",
     # distributed (lesson 10); the folder is not named "dist": pytest, ruff and .gitignore
     # templates all skip folders of that name by default.
     "dist": "distributed",

@@ -11,5 +11,7 @@
 - ``recipe``: the training recipe (AdamW decay groups, global-norm clip, warm-up + cosine)
   that every parallel wrapper runs unchanged;
 - ``bench``: the :class:`~parlearn.core.bench.Row` every technique's ``bench`` returns;
-- ``basics``: work and depth, Amdahl, batched vs looped (lesson ``00_start_here``).
+- ``basics``: work and depth, Amdahl, batched vs looped (lesson ``00_start_here``);
+- ``overhead``: the one model of batched work, ``t(n) = t0 + c n`` fitted to measured
+  times, that Parts 3 and 4 read every batched-vs-looped measurement with.
 """

@@ -21,7 +21,9 @@ two ``s x s`` matrices ``beta s^3`` seconds of arithmetic, so
 
     loop: n (alpha + beta s^3)        bmm: alpha + n beta s^3,
 
-and :func:`fit_batching_model` fits ``alpha`` and ``beta`` to a measured sweep.
+and :func:`fit_batching_model` fits ``alpha`` and ``beta`` to a measured sweep. At one size
+this is :mod:`parlearn.core.overhead`'s ``t(n) = t0 + c n`` (``t0 = alpha``, ``c = beta s^3``),
+the model Parts 3 and 4 fit to their batched-vs-looped measurements.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ environments) are in test_value_training.py, run in a fresh interpreter."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -256,3 +257,19 @@ def test_target_updates_refuse_mismatched_shapes():
     with pytest.raises(ValueError, match=r"online\[0\]"):
         V.tsoft_update(target, online, state, 0.5, 1.0)
     assert not target[0].any()
+
+
+def test_ebu_speed_reads_the_sweep_with_the_batching_model():
+    from parlearn.elsewhere.value.speed import ebu_speed
+
+    r = ebu_speed([1, 2, 4], 6, repeat=1)
+    fit = r["step_fit"]
+    per_step = np.divide(r["median_s"]["batched"], r["steps"])
+    assert fit.ns == (1.0, 2.0, 4.0) and fit.seconds == pytest.approx(per_step.tolist())
+    for b, L, s, fitted, bound in zip([1, 2, 4], r["steps"], r["loop_steps"], r["fitted"],
+                                      r["modeled"], strict=True):
+        assert bound == s / L
+        assert fitted == pytest.approx(s * (fit.t0 + fit.c) / (L * (fit.t0 + fit.c * b)))
+        assert fitted <= bound * (1 + 1e-12)  # the fit never beats the overhead bound
+    one = ebu_speed([3], 6, repeat=1)
+    assert one["step_fit"] is None and one["fitted"] is None and one["modeled"][0] > 0

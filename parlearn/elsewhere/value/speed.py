@@ -6,7 +6,10 @@ a time gets), the batched version once for all ``B`` episodes padded to the long
 loop takes ``sum_b T_b`` time steps, the batched sweep ``L = max_b T_b`` steps of ``B``-wide
 ops, so while a step's fixed cost (Python, op launch) dominates, the modeled speedup is
 ``sum_b T_b / L``; it falls below that once the ``B``-wide arithmetic costs more than the
-fixed cost.
+fixed cost. With the batching model of :mod:`parlearn.core.overhead`, a step of ``B``-wide
+ops costing ``t(B) = t0 + c B`` (fitted to the batched sweeps' time per step), the loop costs
+``sum_b T_b t(1)`` and the sweep ``L t(B)``, so the fitted speedup is
+``sum_b T_b t(1) / (L t(B))``: the overhead bound when ``c = 0``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from parlearn.core.checks import check_float, check_int, check_seed
+from parlearn.core.overhead import fit_batching
 from parlearn.elsewhere.value.backups import ebu_targets
 
 __all__ = ["random_episodes", "ebu_speed", "bench"]
@@ -56,8 +60,11 @@ def ebu_speed(episodes, length: int = 100, *, repeat: int = 5, seed: int = 0,
               beta: float = 0.5, gamma: float = 0.99, threads: int | None = 1) -> dict:
     """Measured: EBU targets for ``B`` episodes (each ``B`` in ``episodes``), loop vs batched,
     interleaved on the CPU with ``threads`` torch threads (restored after; ``None``: the
-    caller's count). Returns
-    :func:`parlearn.core.timing.sweep`'s dict plus ``"modeled"``: ``sum T_b / max T_b`` per B.
+    caller's count). Returns :func:`parlearn.core.timing.sweep`'s dict plus, per B,
+    ``"steps"`` (``L = max T_b``), ``"loop_steps"`` (``sum T_b``) and ``"modeled"``
+    (``sum T_b / L``, the overhead bound); with two distinct B or more also ``"step_fit"``
+    (:func:`~parlearn.core.overhead.fit_batching` of the batched seconds per step against B)
+    and ``"fitted"`` (``sum T_b t(1) / (L t(B))`` per B), else both None.
     """
     from parlearn.core.timing import sweep
 
@@ -73,8 +80,16 @@ def ebu_speed(episodes, length: int = 100, *, repeat: int = 5, seed: int = 0,
         check_int("threads", threads, lo=1)
     data = {b: random_episodes(b, length, seed=seed) for b in sizes}
     out = sweep(sizes, lambda b: _calls(data[b], beta, gamma), repeat=repeat, threads=threads)
-    out["modeled"] = [sum(len(e["rewards"]) for e in data[b])
-                      / max(len(e["rewards"]) for e in data[b]) for b in sizes]
+    out["steps"] = [max(len(e["rewards"]) for e in data[b]) for b in sizes]
+    out["loop_steps"] = [sum(len(e["rewards"]) for e in data[b]) for b in sizes]
+    out["modeled"] = [s / L for s, L in zip(out["loop_steps"], out["steps"], strict=True)]
+    out["step_fit"] = out["fitted"] = None
+    if len(set(sizes)) >= 2:
+        fit = fit_batching(sizes, [t / L for t, L in zip(out["median_s"]["batched"],
+                                                          out["steps"], strict=True)])
+        out["step_fit"] = fit
+        out["fitted"] = [float(s * fit.predict(1) / (L * fit.predict(b))) for s, L, b in
+                         zip(out["loop_steps"], out["steps"], sizes, strict=True)]
     return out
 
 
