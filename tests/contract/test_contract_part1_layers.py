@@ -753,6 +753,8 @@ COVERED_ELSEWHERE: dict[str, str] = {
         "tests/multi_device/test_context_parallel.py::test_ring_attention_checks_dtypes_and_agreement_before_the_first_send",
     MD + "context_parallel.ulysses.ulysses_attention":
         "tests/multi_device/test_context_parallel.py::test_ring_attention_checks_dtypes_and_agreement_before_the_first_send",
+    MD + "context_parallel.allgather.allgather_attention":
+        "tests/multi_device/test_context_parallel.py::test_allgather_attention_refuses_on_every_rank_before_the_gather",
     MD + "context_parallel.gpt.cp_forward":
         "tests/multi_device/test_context_parallel.py::test_cp_forward_refuses_positions_that_contradict_the_layout",
     MD + "context_parallel.sequence_parallel.GatherSequence":

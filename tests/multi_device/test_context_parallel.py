@@ -108,12 +108,14 @@ def test_ledger_bytes_equal_the_formulas():
         r = cp.attention_check(scheme, n, seq, batch=b, heads=heads, head_dim=d, timeout=20)
         model = cp.scheme_cost(scheme, batch=b, seq=seq, heads=heads, head_dim=d,
                                world_size=n)
-        kind = "isend" if scheme == "ring" else "all_to_all_single"
         for rank in r["ranks"]:
             for phase in ("forward", "backward"):
-                count, nbytes, _ = rank[phase][kind]
-                assert count == len(model[phase])
-                assert nbytes == sum(x for _, x in model[phase])
+                kinds = {kind for kind, _ in model[phase]}
+                assert set(rank[phase]) - {"irecv"} == kinds, (scheme, phase)
+                for kind in kinds:
+                    count, nbytes, _ = rank[phase][kind]
+                    assert count == sum(1 for k, _ in model[phase] if k == kind)
+                    assert nbytes == sum(x for k, x in model[phase] if k == kind)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -196,7 +198,7 @@ def test_zigzag_ring_timeline_counts_the_balanced_work():
 # the tiny GPT trained with context parallelism
 
 @pytest.mark.parametrize("scheme,layout", [("ring", "zigzag"), ("ring", "contiguous"),
-                                           ("ulysses", "zigzag")])
+                                           ("ulysses", "zigzag"), ("allgather", "zigzag")])
 def test_gpt_trained_with_cp_equals_one_process_step_by_step(scheme, layout):
     from parlearn import transformer
 
@@ -352,6 +354,50 @@ def _ring_bad_shard_on_rank_1(rank, world_size):
 def _ulysses_heads_differ_by_rank(rank, world_size):
     q = torch.zeros(1, 2 + 2 * rank, 4, 2, dtype=torch.float64)
     cp.ulysses_attention(q, q, q, seq=8)
+
+
+def _allgather_bad(rank, world_size, what):
+    q = torch.zeros(1, 4, 4, 2, dtype=torch.float64)
+    kv = {"kv_heads": torch.zeros(1, 3, 4, 2, dtype=torch.float64),
+          "dtype": torch.zeros(1, 2, 4, 2, dtype=torch.float32),
+          "shard": torch.zeros(1, 2, 3 if rank == 1 else 4, 2, dtype=torch.float64)}[what]
+    if what == "shard":
+        q = torch.zeros(1, 4, kv.shape[2], 2, dtype=torch.float64)
+    cp.allgather_attention(q, kv, kv, seq=8, causal=True)
+
+
+@pytest.mark.parametrize("what, match", [("kv_heads", "kv_heads=3 must divide"),
+                                         ("dtype", "k must have dtype"),
+                                         ("shard", "q holds 3 tokens")])
+def test_allgather_attention_refuses_on_every_rank_before_the_gather(what, match):
+    _fails_on_every_rank(_allgather_bad, 2, match, args=(what,))
+
+
+def _allgather_gqa(rank, world_size):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 12, 3, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 12, 3, generator=g, dtype=torch.float64) for _ in range(2))
+    idx = cp.shard_index(12, world_size, rank, "zigzag")
+    qs, ks, vs = (t[..., idx, :].clone().requires_grad_(True) for t in (q, k, v))
+    out = cp.allgather_attention(qs, ks, vs, seq=12, layout="zigzag", causal=True)
+    out.sum().backward()
+    return idx, out.detach(), ks.grad, vs.grad
+
+
+def test_allgather_attention_with_grouped_query_heads_equals_full_attention():
+    """Two K/V heads serve four query heads (Llama 3's grouping): outputs and the K/V
+    gradients, reduce-scattered back to their shards, equal one process."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 12, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 12, 3, generator=g, dtype=torch.float64).requires_grad_(True)
+            for _ in range(2))
+    want = cp.full_attention(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1),
+                             True)
+    want.sum().backward()
+    for idx, out, dk, dv in run(_allgather_gqa, 2, timeout=20):
+        assert torch.allclose(out, want.detach()[..., idx, :], atol=TOL, rtol=0)
+        assert torch.allclose(dk, k.grad[..., idx, :], atol=TOL, rtol=0)
+        assert torch.allclose(dv, v.grad[..., idx, :], atol=TOL, rtol=0)
 
 
 def test_ring_attention_checks_dtypes_and_agreement_before_the_first_send():

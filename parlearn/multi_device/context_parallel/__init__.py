@@ -8,6 +8,7 @@ module                 what it holds
                        work per rank
 ``ring``               ring attention from send/recv, its backward a second ring
 ``ulysses``            DeepSpeed-Ulysses: all-to-all sequence <-> heads
+``allgather``          Llama 3's context parallelism: all-gather K and V, local attention
 ``sequence_parallel``  Megatron SP: g / g-bar as all-gather / reduce-scatter inside TP
 ``cost``               bytes, messages and activation memory per rank per scheme (modeled)
 ``diagrams``           the ring's steps, Ulysses' all-to-all, the zig-zag tiles, drawn
@@ -16,6 +17,7 @@ module                 what it holds
 =====================  ==================================================================
 """
 
+from parlearn.multi_device.context_parallel.allgather import allgather_attention
 from parlearn.multi_device.context_parallel.blocks import (
     LAYOUTS,
     block_attention,
@@ -64,7 +66,8 @@ from parlearn.multi_device.context_parallel.workers import (
 
 __all__ = ["LAYOUTS", "shard_chunks", "shard_index", "full_attention", "block_attention",
            "merge", "block_backward", "causal_work", "idle_fraction", "RingAttention",
-           "ring_attention", "AllToAll", "ulysses_attention", "GatherSequence",
+           "ring_attention", "AllToAll", "ulysses_attention",
+           "allgather_attention", "GatherSequence",
            "ScatterSequence", "SequenceParallelBlock", "TensorParallelBlock", "serial_block",
            "sp_block_worker", "SCHEMES", "attention_inputs", "attention_worker",
            "attention_check", "layout_timing", "layout_timing_worker", "saved_bytes",

@@ -15,9 +15,11 @@ sp          all-gather + reduce-scatter of ``S b h e``        ``2(N-1)``
 ulysses     all-to-all of ``b s (H + 2G) d e`` (q, k, v),     ``2(N-1)``
             then all-to-all of ``b s h e`` (the output)
 ring        ``N-1`` sends of a K/V block, ``2 b s G d e``     ``N-1``
+allgather   all-gather of K and V, ``2 b S G d e`` (Llama 3)  ``N-1``
 ==========  ==============================================  ===========================
 
-Backward: tp and sp mirror forward; Ulysses mirrors forward; ring sends the K/V blocks
+Backward: tp and sp mirror forward; Ulysses mirrors forward; allgather reduce-scatters
+``(dK, dV)``, the same payload; ring sends the K/V blocks
 again (``N-1``) and the travelling ``(dK, dV)`` ``N`` times. Ring's volume per rank does not
 fall with ``N`` (``(N-1) 2 b s G d e = 2 b S G d e (N-1)/N``; under GQA ``G/H`` of the
 multi-head volume) but each of its ``N-1`` messages
@@ -42,7 +44,7 @@ from parlearn.distributed.cost import AlphaBeta, ring_bytes
 __all__ = ["COST_SCHEMES", "scheme_cost", "attention_memory", "hiding_shard",
            "timeline_summary"]
 
-COST_SCHEMES = ("tp", "sp", "ulysses", "ring")
+COST_SCHEMES = ("tp", "sp", "ulysses", "ring", "allgather")
 
 
 def _shape(batch, seq, heads, head_dim, world_size, elt):
@@ -64,7 +66,7 @@ def scheme_cost(scheme: str, *, batch: int, seq: int, heads: int, head_dim: int,
     G = H if kv_heads is None else check_int("kv_heads", kv_heads, lo=1, hi=H)
     if H % G:
         raise ValueError(f"kv_heads={G} must divide heads={H}")
-    if scheme in ("ulysses", "ring") and S % N:
+    if scheme in ("ulysses", "ring", "allgather") and S % N:
         raise ValueError(f"the model assumes world_size={N} divides seq={S}")
     if scheme == "ulysses" and H % N:
         raise ValueError(f"Ulysses needs world_size={N} to divide heads={H}")
@@ -82,6 +84,9 @@ def scheme_cost(scheme: str, *, batch: int, seq: int, heads: int, head_dim: int,
     elif scheme == "ulysses":
         fwd = [("all_to_all_single", shard + 2 * kv), ("all_to_all_single", shard)]
         bwd, msgs = list(reversed(fwd)), 2 * (N - 1)
+    elif scheme == "allgather":   # K and V gathered whole; their gradients reduce-scattered
+        fwd = [("all_gather", N * kv), ("all_gather", N * kv)]
+        bwd, msgs = [("reduce_scatter", N * kv), ("reduce_scatter", N * kv)], N - 1
     else:
         fwd = [("isend", 2 * kv)] * (N - 1)
         bwd, msgs = [("isend", 2 * kv)] * (2 * N - 1), N - 1
@@ -92,8 +97,9 @@ def scheme_cost(scheme: str, *, batch: int, seq: int, heads: int, head_dim: int,
 def attention_memory(scheme: str, *, batch: int, seq: int, heads: int, head_dim: int,
                      world_size: int = 1, causal: bool = False, elt: int = 8) -> int:
     """Bytes the attention core keeps for backward on one rank: ``scheme`` ``"full"`` (one
-    process), ``"ring"`` or ``"ulysses"`` (module docstring)."""
-    check_choice("scheme", scheme, ("full", "ring", "ulysses"))
+    process), ``"ring"``, ``"ulysses"`` or ``"allgather"`` (its shard's q, the gathered K
+    and V, and the ``b H s S`` probabilities of its own queries; module docstring)."""
+    check_choice("scheme", scheme, ("full", "ring", "ulysses", "allgather"))
     b, S, H, d, N, e = _shape(batch, seq, heads, head_dim, world_size, elt)
     causal = check_bool("causal", causal)
     mask = S * S if causal else 0  # a bool per (query, key)
@@ -104,6 +110,10 @@ def attention_memory(scheme: str, *, batch: int, seq: int, heads: int, head_dim:
     if scheme == "ring":
         s = S // N
         return (4 * b * H * s * d + b * H * s) * e
+    if scheme == "allgather":
+        s = S // N
+        return (b * H * s * d + 2 * b * H * S * d + b * H * s * S) * e + (s * S if causal
+                                                                           else 0)
     if H % N:
         raise ValueError(f"Ulysses needs world_size={N} to divide heads={H}")
     g = H // N

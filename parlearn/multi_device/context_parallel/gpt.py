@@ -5,7 +5,8 @@ Everything in a block except attention acts token by token, so a rank runs the e
 the LayerNorms, the projections, the MLP and the loss on its own tokens alone. Two things
 need the rank to know WHERE its tokens are: rotary positions (each token is rotated by its
 global position's angle, not by its index in the shard) and attention, which needs the
-keys of the whole sequence: :func:`ring_attention` or :func:`ulysses_attention` brings them.
+keys of the whole sequence: :func:`ring_attention`, :func:`ulysses_attention` or
+:func:`allgather_attention` (Llama 3's choice) brings them.
 
 The loss is the mean over all ``b S`` tokens, so a rank adds up its tokens' cross-entropy
 and divides by ``b S``; the ranks' parameter gradients are partial sums (every rank holds
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from parlearn.core.checks import check_choice, check_float, check_int, check_tensor
 from parlearn.core.recipe import Recipe
 from parlearn.distributed.agree import agree
+from parlearn.multi_device.context_parallel.allgather import allgather_attention
 from parlearn.multi_device.context_parallel.blocks import LAYOUTS, shard_index
 from parlearn.multi_device.context_parallel.ring import ring_attention
 from parlearn.multi_device.context_parallel.ulysses import ulysses_attention
@@ -31,7 +33,8 @@ from parlearn.multi_device.transformer.model import GPT, GPTConfig, _rotate_half
 
 __all__ = ["cp_forward", "train_batches", "serial_train", "cp_train", "cp_train_worker"]
 
-_ATTENTION = {"ring": ring_attention, "ulysses": ulysses_attention}
+_ATTENTION = {"ring": ring_attention, "ulysses": ulysses_attention,
+              "allgather": allgather_attention}
 
 
 def _check_cp_forward(model, idx, targets, positions, seq, layout, scheme) -> None:

@@ -1,9 +1,9 @@
 """Workers the tests and lesson 17 run on real ranks, and the checks that compare them with
 one process (full attention through autograd, float64).
 
-:func:`attention_check` runs a scheme (``"ring"`` or ``"ulysses"``) on ``world_size``
-ranks on the loss ``<attention(q, k, v), w>`` and returns the largest error of the output
-and of ``dq, dk, dv`` against :func:`full_attention`, with each rank's ledger, timeline
+:func:`attention_check` runs a scheme (``"ring"``, ``"ulysses"`` or ``"allgather"``) on
+``world_size`` ranks on the loss ``<attention(q, k, v), w>`` and returns the largest error of
+the output and of ``dq, dk, dv`` against :func:`full_attention`, with each rank's ledger, timeline
 and causal work.
 """
 
@@ -19,6 +19,7 @@ from parlearn.core.checks import (
     check_float,
     check_int,
 )
+from parlearn.multi_device.context_parallel.allgather import allgather_attention
 from parlearn.multi_device.context_parallel.blocks import LAYOUTS, full_attention, shard_index
 from parlearn.multi_device.context_parallel.ring import ring_attention
 from parlearn.multi_device.context_parallel.ulysses import ulysses_attention
@@ -26,7 +27,7 @@ from parlearn.multi_device.context_parallel.ulysses import ulysses_attention
 __all__ = ["SCHEMES", "saved_bytes", "attention_inputs", "attention_worker", "attention_check",
            "layout_timing_worker", "layout_timing", "torch_cp_worker"]
 
-SCHEMES = ("ring", "ulysses")
+SCHEMES = ("ring", "ulysses", "allgather")
 
 
 def saved_bytes(fn, *args, **kwargs) -> tuple:
@@ -87,8 +88,8 @@ def attention_worker(rank: int, world_size: int, scheme: str, seq: int, batch: i
                 o, saved = saved_bytes(ring_attention, qs, ks, vs, seq=seq, layout=layout,
                                        causal=causal, timeline=timeline)
             else:
-                o, saved = saved_bytes(ulysses_attention, qs, ks, vs, seq=seq, layout=layout,
-                                       causal=causal)
+                fn = ulysses_attention if scheme == "ulysses" else allgather_attention
+                o, saved = saved_bytes(fn, qs, ks, vs, seq=seq, layout=layout, causal=causal)
         with ledger() as bwd:
             (o * w).sum().backward()
     return dict(idx=idx, o=o.detach(), dq=qs.grad, dk=ks.grad, dv=vs.grad,
