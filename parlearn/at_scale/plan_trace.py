@@ -12,10 +12,13 @@ median step (by step time, after the first, which warms up) into the parts both 
 - ``dp``: communication inside the ``optimizer`` phase (ZeRO's reduce-scatter and
   all-gather) not under compute;
 - ``tp``: every other collective (Megatron's all-reduces, SP's all-gathers and
-  reduce-scatters, the tied embedding's all-reduce) not under compute or ``dp``;
-- ``pipeline``: the rest of the step: point-to-point sends and receives, and the time a
-  stage waits for its neighbour. A blocking receive's span covers its waiting, so a trace
-  cannot split a transfer from the bubble: it is set beside the planner's pp + bubble.
+  reduce-scatters) not under compute, ``dp`` or the ``embedding`` label;
+- ``pipeline``: the rest of the step: point-to-point sends and receives, the time a stage
+  waits for its neighbour, and the tied embedding's all-reduce between the first and the
+  last stage (labelled ``embedding``: a cost of the pipeline split, whose span also holds
+  the wait for the other stage; the planner does not price it). A blocking receive's span
+  covers its waiting, so a trace cannot split a transfer from the bubble: it is set
+  beside the planner's pp + bubble.
 
 The four parts add up to the measured step; the predicted parts add up to the planner's.
 """
@@ -58,7 +61,8 @@ def split_step(trace, window: tuple[float, float]) -> dict[str, float]:
     comm = _intersect(_union(spans(events, collective_names)), w)
     opt = _intersect(_union(spans(events, ("optimizer",))), w)
     dp = _minus(_intersect(comm, opt), comp)
-    tp = _minus(comm, _union(comp + dp))
+    emb = _intersect(_union(spans(events, ("embedding",))), w)
+    tp = _minus(comm, _union(comp + dp + emb))
     step = w[0][1] - w[0][0]
     out = {"compute": _length(comp), "tp": _length(tp), "dp": _length(dp)}
     out["pipeline"] = step - sum(out.values())

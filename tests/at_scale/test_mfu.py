@@ -151,8 +151,17 @@ def test_each_planted_numerator_mistake_is_named(mistake):
                                          (8 * 989e12, "node"), (123e12, "unrecognised")])
 def test_each_planted_denominator_mistake_is_named(peak, words):
     found = _audit(peak=peak)
-    assert len(found) >= 1 and all(f.kind == "denominator" for f in found), found
-    assert any(words in f.message for f in found)
+    assert len(found) == 1 and found[0].kind == "denominator", found
+    assert words in found[0].message
+
+
+def test_the_datasheets_printed_1979_is_named_as_both_readings():
+    """H100's datasheet prints 1,979 TFLOP/s for bf16 with sparsity and for dense FP8: one
+    finding names both, with the factor against the dense bf16 peak."""
+    found = _audit(peak=1979e12)
+    assert len(found) == 1
+    assert "sparse" in found[0].message and "FP8" in found[0].message
+    assert found[0].factor == pytest.approx(989e12 / 1979e12)
 
 
 def test_an_unknown_device_given_another_cards_peak_is_named():

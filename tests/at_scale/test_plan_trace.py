@@ -37,6 +37,14 @@ def test_split_step_credits_overlap_to_compute_and_p2p_to_the_pipeline():
     assert parts["tp"] == pytest.approx(0.020, abs=1e-12)
 
 
+def test_the_tied_embeddings_all_reduce_counts_as_pipeline_not_tp():
+    t = _trace()
+    t["traceEvents"] += [_x("embedding", 70, 80), _x("gloo:all_reduce", 71, 79, 7)]
+    parts = PT.split_step(t, (0.0, 0.1))
+    assert parts["tp"] == pytest.approx(0.020, abs=1e-12)         # unchanged
+    assert parts["pipeline"] == pytest.approx(0.035, abs=1e-12)   # 71-79 was pipeline's
+
+
 def test_split_step_refuses_a_bad_window():
     with pytest.raises(ValueError, match="window"):
         PT.split_step(_trace(), (0.1, 0.0))

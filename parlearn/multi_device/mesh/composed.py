@@ -254,8 +254,9 @@ class MeshRank:
         same on every rank). Returns ``{"loss": the batch's mean loss (last stage; None
         elsewhere), "seconds": the step's wall time, "records": {"pipe", "embedding", "dp"}:
         the ledger records of each phase}``. For ``torch.profiler`` the step is labelled
-        ``step``, each micro-batch's forward and backward ``forward`` and ``backward``, and
-        the update ``optimizer`` (:mod:`parlearn.at_scale.plan_trace` reads them)."""
+        ``step``, each micro-batch's forward and backward ``forward`` and ``backward``, the
+        tied embedding's all-reduce ``embedding`` and the update ``optimizer``
+        (:mod:`parlearn.at_scale.plan_trace` reads them)."""
         check_tensor("idx", idx, shape=(self.batch, self.seq), dtype=torch.int64)
         check_tensor("tgt", tgt, shape=(self.batch, self.seq), dtype=torch.int64)
         with record_function("step"):
@@ -289,7 +290,7 @@ class MeshRank:
             if self.sp and self.shape.tp > 1:  # partial sums of replicated parameters' grads
                 for p in model.replicated():
                     tdist.all_reduce(p.grad, group=self.tp_group)
-        with ledger() as emb_led:
+        with ledger() as emb_led, record_function("embedding"):
             if self.emb_group is not None:
                 tdist.all_reduce(model.tok.weight.grad, group=self.emb_group)
         with ledger() as dp_led, record_function("optimizer"):
