@@ -32,7 +32,7 @@ import torch.distributed as tdist
 
 from parlearn.core.checks import check_bool, check_choice, check_int, check_tensor
 from parlearn.distributed.agree import agree
-from parlearn.multi_device.context_parallel.blocks import LAYOUTS, shard_chunks, shard_index
+from parlearn.multi_device.context_parallel.blocks import LAYOUTS, check_shard, shard_index
 
 __all__ = ["allgather_attention"]
 
@@ -92,11 +92,7 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, se
                              f"{tuple(k.shape)} and q {tuple(q.shape)}")
         if q.shape[1] % k.shape[1]:
             raise ValueError(f"k's kv_heads={k.shape[1]} must divide q's heads={q.shape[1]}")
-        lengths = [sum(b - a for a, b in shard_chunks(seq, world, r, layout))
-                   for r in range(world)]
-        if q.shape[2] != lengths[rank]:
-            raise ValueError(f"q holds {q.shape[2]} tokens but rank {rank}'s shard of "
-                             f"seq={seq} ({layout}) has {lengths[rank]}")
+        lengths = check_shard("q", q, seq, world, rank, layout)
     except (TypeError, ValueError) as e:
         err = e
     agree({"seq": seq, "layout": layout, "causal": causal,

@@ -62,6 +62,23 @@ def shard_chunks(seq: int, world_size: int, rank: int, layout: str = "contiguous
     return [(bounds[i], bounds[i + 1]) for i in own]
 
 
+def shard_lengths(seq: int, world_size: int, layout: str = "contiguous") -> list[int]:
+    """How many tokens of ``seq`` each rank holds under ``layout``, in rank order."""
+    return [sum(b - a for a, b in shard_chunks(seq, world_size, r, layout))
+            for r in range(world_size)]
+
+
+def check_shard(name: str, tensor: torch.Tensor, seq: int, world_size: int, rank: int,
+                layout: str) -> list[int]:
+    """Refuse ``tensor`` unless its dim -2 holds rank ``rank``'s shard of ``seq`` under
+    ``layout`` (naming ``name``); returns every rank's shard length."""
+    lengths = shard_lengths(seq, world_size, layout)
+    if tensor.shape[-2] != lengths[rank]:
+        raise ValueError(f"{name} holds {tensor.shape[-2]} tokens but rank {rank}'s shard of "
+                         f"seq={seq} ({layout}) has {lengths[rank]}")
+    return lengths
+
+
 def shard_index(seq: int, world_size: int, rank: int, layout: str = "contiguous"
                 ) -> torch.Tensor:
     """The global positions of rank ``rank``'s shard, in shard order (int64)."""

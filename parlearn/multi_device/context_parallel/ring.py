@@ -32,6 +32,7 @@ from parlearn.multi_device.context_parallel.blocks import (
     LAYOUTS,
     block_attention,
     block_backward,
+    check_shard,
     merge,
     shard_chunks,
 )
@@ -166,11 +167,8 @@ def _check_ring_args(q, k, v, seq, layout, causal, timeline, world: int) -> None
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, "
                          f"v {v.device}")
-    mine = sum(b - a for a, b in shard_chunks(seq, world, tdist.get_rank(), layout))
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.shape[-2] != mine:
-            raise ValueError(f"{name} holds {t.shape[-2]} tokens but rank "
-                             f"{tdist.get_rank()}'s shard of seq={seq} ({layout}) has {mine}")
+        check_shard(name, t, seq, world, tdist.get_rank(), layout)
     if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must "
                          f"agree on (batch, heads, ., head_dim)")

@@ -24,7 +24,7 @@ import torch.distributed as tdist
 
 from parlearn.core.checks import check_bool, check_choice, check_int, check_tensor
 from parlearn.distributed.agree import _unrecorded, agree
-from parlearn.multi_device.context_parallel.blocks import LAYOUTS, shard_chunks, shard_index
+from parlearn.multi_device.context_parallel.blocks import LAYOUTS, check_shard, shard_index
 
 __all__ = ["AllToAll", "ulysses_attention"]
 
@@ -134,11 +134,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq:
             raise ValueError(f"Ulysses needs the degree (world_size={world}) to divide the "
                              f"number of heads (q.shape[1]={heads}); the degree can be at "
                              f"most {heads}")
-        lengths = [sum(b - a for a, b in shard_chunks(seq, world, r, layout))
-                   for r in range(world)]
-        if q.shape[-2] != lengths[rank]:
-            raise ValueError(f"q holds {q.shape[-2]} tokens but rank {rank}'s shard of "
-                             f"seq={seq} ({layout}) has {lengths[rank]}")
+        lengths = check_shard("q", q, seq, world, rank, layout)
     except (TypeError, ValueError) as e:
         err = e
     agree({"seq": seq, "layout": layout, "causal": causal,
