@@ -19,7 +19,10 @@ The optimizer state (Adam's two moments) is saved the same way, per parameter, w
 parameter's placements. :class:`~parlearn.sharding.ShardedAdam` keeps ZeRO-1 moments as a
 slice of a flat buffer, which no ``DTensor`` placement describes, so :func:`state` first
 all-gathers them over the dp group (``ShardedAdam.state_dict``): one extra all-gather of
-the moments per save, in exchange for a checkpoint any mesh can read. The step count is
+the moments per save, in exchange for a checkpoint any mesh can read. A run with the whole
+recipe (AdamW in :class:`~parlearn.sharding.ShardedOptimizer`) keeps each tensor's moments
+on one dp owner; they are broadcast from it (``MeshRank.optimizer_state``), and on load the
+schedule resumes at the saved step. The step count is
 saved too; the data order needs nothing more, because each step's batch is drawn from
 the seed and the step number alone.
 
@@ -52,11 +55,6 @@ def _check_rank(me) -> None:
 
     if not isinstance(me, MeshRank):
         raise TypeError(f"me must be a parlearn.mesh.MeshRank, got {type(me).__name__}")
-    if me.recipe is not None:
-        # Its state is AdamW's per whole tensor on one dp owner, plus the schedule: another
-        # layout than ShardedAdam's flat shards, which is what these checkpoints store.
-        raise NotImplementedError("checkpoints hold ShardedAdam's state: a MeshRank built with "
-                                  "recipe= (AdamW in ShardedOptimizer) cannot be saved yet")
 
 
 def _check_dir(name: str, directory) -> str:
@@ -102,7 +100,7 @@ def state(me) -> dict:
 
     for name, p in me.model.named_parameters():
         put(f"model.{name}", name, p)
-    opt = me.opt.state_dict()
+    opt = me.optimizer_state()
     for name, moments in opt["state"].items():
         for key, t in moments.items():
             put(f"optim.{name}.{key}", name, t)
@@ -161,7 +159,7 @@ def load(me, directory) -> int:
         p.copy_(sd[f"model.{name}"].to_local())
     names = [k[len("optim."):-len(".exp_avg")] for k in sd
              if k.startswith("optim.") and k.endswith(".exp_avg")]
-    me.opt.load_state_dict({"step": int(sd["step"]), "state": {
+    me.load_optimizer_state({"step": int(sd["step"]), "state": {
         n: {k: sd[f"optim.{n}.{k}"].to_local() for k in ("exp_avg", "exp_avg_sq")}
         for n in names}})
     return int(sd["step"])

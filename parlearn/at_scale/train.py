@@ -3,6 +3,8 @@ checkpoints, resume and an injected failure, under ``torchrun`` or from a notebo
 
     torchrun --standalone --nproc_per_node 4 --max-restarts 1 -m parlearn.train \\
         --dp 2 --tp 2 --steps 20 --ckpt runs/a --every 5
+    torchrun --standalone --nproc_per_node 4 -m parlearn.train --dp 2 --pp 2 --recipe 1 \\
+        --zero 2 --steps 1000 --ckpt runs/b --every 100     # AdamW, clip, warm-up + cosine
     python -m parlearn.train --dp 2 --steps 20          # no torchrun: parlearn.dist.run
     dist.run(train.train_worker, 4, args=(TrainSpec(dp=2, tp=2),))   # from a notebook
 
@@ -59,7 +61,11 @@ class TrainSpec:
     Mesh: ``dp``, ``tp``, ``pp``. Data: ``steps`` (total, counting resumed ones), ``batch``
     sequences of ``seq`` tokens per step, ``micro_batches`` per pipeline step. Model: the
     tiny GPT with ``d_model``, ``n_layers``, ``n_heads``. Optimizer: Adam with ``lr``,
-    ZeRO stage ``zero`` (0 or 1) over dp; ``sp`` sequence parallelism inside TP.
+    ZeRO stage ``zero`` (0 or 1) over dp; or with ``recipe`` the tiny GPT's whole recipe
+    (:meth:`recipe_spec`: AdamW, weight decay 0.1 on matrices, global-norm clip 1.0, warm-up
+    over 5% of ``steps`` then cosine; peak ``lr``; ZeRO 0, 1 or 2). ``sp``: sequence
+    parallelism inside TP. ``stop_at``: stop after that many steps (saving, with ``ckpt``),
+    as a job cut short would; the schedule still spans ``steps``.
     ``ckpt``: a folder for checkpoints (None: none); ``every``: save every that many steps
     (0: only at the end). ``fail_at``/``fail_rank``: an injected SIGKILL of that rank
     after ``fail_at`` steps (first attempt only). ``peak_tflops``: one rank's peak, for
@@ -87,6 +93,8 @@ class TrainSpec:
     fail_rank: int = 0
     peak_tflops: float | None = None
     log: bool = True
+    recipe: bool = False
+    stop_at: int | None = None
     trace: str | None = None
     trace_steps: int = 2
 
@@ -107,13 +115,24 @@ class TrainSpec:
         if self.peak_tflops is not None:
             check_float("peak_tflops", self.peak_tflops, lo=0, lo_open=True)
         check_bool("log", self.log)
+        check_bool("recipe", self.recipe)
+        if self.stop_at is not None:
+            check_int("stop_at", self.stop_at, lo=1, hi=self.steps)
         if self.trace is not None and (not isinstance(self.trace, str) or not self.trace):
             raise TypeError(f"trace must be a folder path (str) or None, got {self.trace!r}")
         check_int("trace_steps", self.trace_steps, lo=1,
                   hi=self.steps if self.trace is not None else None)
         check_train_args(self.cfg, self.shape, self.steps, self.batch, self.seq,
                          self.micro_batches, self.lr, self.seed, self.sp, self.zero, "none",
-                         "1f1b")
+                         "1f1b", self.recipe_spec)
+
+    @property
+    def recipe_spec(self):
+        """The :class:`parlearn.core.recipe.Recipe` this job runs (None: plain Adam)."""
+        from parlearn.core.recipe import Recipe
+
+        return (Recipe(weight_decay=0.1, clip=1.0, warmup=max(1, self.steps // 20))
+                if self.recipe is True else None)
 
     @property
     def world(self) -> int:
@@ -160,7 +179,8 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec) -> dict:
         raise ValueError(f"world_size={world_size} must equal dp*tp*pp={spec.world}")
     me = MeshRank(rank, spec.cfg, spec.shape, batch=spec.batch, seq=spec.seq,
                   micro_batches=spec.micro_batches, lr=spec.lr, seed=spec.seed, sp=spec.sp,
-                  zero=spec.zero)
+                  zero=spec.zero, recipe=spec.recipe_spec,
+                  total_steps=spec.steps if spec.recipe else None)
     start, lines = 0, []
     found = ckpt.latest(spec.ckpt) if spec.ckpt else None
     if found is not None:
@@ -175,15 +195,16 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec) -> dict:
 
     say(f"parlearn.train: {spec.shape} on {world_size} ranks, attempt {_attempt()}, "
         + (f"resumed from step {start} ({found[1]})" if found else "fresh start"))
-    if start >= spec.steps:
-        say(f"nothing to do: the checkpoint is at step {start}, steps={spec.steps}")
+    end = spec.steps if spec.stop_at is None else spec.stop_at
+    if start >= end:
+        say(f"nothing to do: the checkpoint is at step {start}, the run ends at {end}")
     tokens = spec.batch * spec.seq
     flops = tokens * flops_per_token(spec.cfg, spec.seq)
     out: dict = {"coords": me.coords, "start": start, "loss": {}, "step_s": [], "saves": []}
     batches = train_batches(spec.steps, spec.batch, spec.seq, spec.seed)
-    traced = max(start, spec.steps - spec.trace_steps) if spec.trace else None
+    traced = max(start, end - spec.trace_steps) if spec.trace else None
     prof = None
-    for step in range(start, spec.steps):
+    for step in range(start, end):
         if step == traced:
             prof = _start_profiler()
         if step == spec.fail_at and rank == spec.fail_rank and _attempt() == 0:
@@ -203,12 +224,12 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec) -> dict:
                 f"{res['seconds'] * 1e3:7.1f} ms  {tokens / res['seconds']:9,.0f} tokens/s  "
                 f"{rate / 1e9:6.2f} GFLOP/s (model)  MFU {mfu}")
         done = step + 1
-        if prof is not None and done == spec.steps:
+        if prof is not None and done == end:
             path = _stop_profiler(prof, spec.trace, rank)
             say(f"wrote {os.path.join(spec.trace, 'rank<r>.json')} (one per rank): steps "
-                f"{traced + 1}-{spec.steps} under torch.profiler")
+                f"{traced + 1}-{end} under torch.profiler")
             out["trace"] = path
-        if spec.ckpt and (done == spec.steps or (spec.every and done % spec.every == 0)):
+        if spec.ckpt and (done == end or (spec.every and done % spec.every == 0)):
             saved = ckpt.save(me, ckpt.step_dir(spec.ckpt, done))
             out["saves"].append((done, saved["seconds"], saved["bytes"]))
             say(f"saved {ckpt.step_dir(spec.ckpt, done)}: {saved['bytes']:,} B in "
@@ -259,7 +280,8 @@ def reshard_check(before, after, *, steps: int = 4, at: int = 2, directory=None,
     """Train ``at`` steps on mesh ``before`` (a :class:`parlearn.mesh.MeshShape`), save a
     checkpoint, load it on mesh ``after`` and train to ``steps``; compare with one process
     training all ``steps`` uninterrupted (:func:`parlearn.context_parallel.serial_train`,
-    Adam, float64, the same batches). ``spec``: further :class:`TrainSpec` fields.
+    Adam or with ``recipe=True`` the whole recipe, float64, the same batches). ``spec``:
+    further :class:`TrainSpec` fields.
     Returns ``{"loss": [per-step loss, before then after], "reference": [per-step loss],
     "loss_diff": max |difference|, "param_diff": max |parameter difference| of the final
     checkpoint read in one process, "save": (seconds, bytes) of the checkpoint at ``at``,
@@ -277,8 +299,8 @@ def reshard_check(before, after, *, steps: int = 4, at: int = 2, directory=None,
             raise TypeError(f"{name} must be a parlearn.mesh.MeshShape, got {shape!r}")
     steps = check_int("steps", steps, lo=2)
     at = check_int("at", at, lo=1, hi=steps - 1)
-    if "ckpt" in spec or "every" in spec or "steps" in spec:
-        raise ValueError("reshard_check sets steps, ckpt and every itself")
+    if {"ckpt", "every", "steps", "stop_at"} & set(spec):
+        raise ValueError("reshard_check sets steps, stop_at, ckpt and every itself")
     if directory is None:
         folder = tempfile.TemporaryDirectory()
     elif isinstance(directory, str | os.PathLike):
@@ -288,8 +310,8 @@ def reshard_check(before, after, *, steps: int = 4, at: int = 2, directory=None,
         raise TypeError(f"directory must be a path or None, got {directory!r}")
     common = {"log": False, **spec}
     with folder as root:
-        first = TrainSpec(dp=before.dp, tp=before.tp, pp=before.pp, steps=at, ckpt=root,
-                          **common)
+        first = TrainSpec(dp=before.dp, tp=before.tp, pp=before.pp, steps=steps, stop_at=at,
+                          ckpt=root, **common)
         second = TrainSpec(dp=after.dp, tp=after.tp, pp=after.pp, steps=steps, ckpt=root,
                            **common)
         a = train(first, timeout=timeout)
@@ -299,7 +321,8 @@ def reshard_check(before, after, *, steps: int = 4, at: int = 2, directory=None,
     last_b = b[after.rank(after.pp - 1, 0, 0)]
     loss = [last_a["loss"][k] for k in range(at)] + [last_b["loss"][k] for k in range(at, steps)]
     ref = serial_train(first.cfg, steps=steps, batch=first.batch, seq=first.seq, lr=first.lr,
-                       seed=first.seed, optimizer="adam")
+                       seed=first.seed, optimizer="adamw" if first.recipe else "adam",
+                       recipe=second.recipe_spec)
     return {"loss": loss, "reference": ref["loss"],
             "loss_diff": max(abs(x - y) for x, y in zip(loss, ref["loss"], strict=True)),
             "param_diff": max((final["params"][n] - t).abs().max().item()

@@ -120,6 +120,39 @@ def test_a_checkpoint_resharded_continues_exactly_as_the_uninterrupted_run(befor
     assert res["save"][1] > 0
 
 
+@pytest.mark.parametrize("before, after, zero", [
+    (MeshShape(dp=2, pp=2), MeshShape(dp=2, tp=2), 2),   # ZeRO-2 owners -> TP x DP
+    (MeshShape(dp=2), MeshShape(), 1),                   # -> one process
+])
+def test_the_whole_recipe_reshards_exactly_optimizer_state_and_schedule(before, after, zero):
+    """AdamW's moments kept by their dp owners, and the warm-up + cosine schedule, resume on
+    another mesh: the continued run equals the uninterrupted one (float64)."""
+    res = train.reshard_check(before, after, steps=4, at=2, recipe=True, zero=zero, **SMALL)
+    assert res["resumed_from"] == 2
+    assert res["loss_diff"] < 1e-12 and res["param_diff"] < 1e-12, res
+
+
+def test_a_recipe_resume_that_lost_the_schedule_would_differ(monkeypatch):
+    """The check above sees the schedule: resuming with the learning rate left at its
+    starting value (the scheduler not restored) moves the parameters off the reference."""
+    from parlearn.mesh import MeshRank
+
+    real = MeshRank.load_optimizer_state
+
+    def forget_schedule(self, state_dict):
+        lrs = [g["lr"] for g in self.opt.param_groups]
+        real(self, state_dict)
+        for g, lr in zip(self.opt.param_groups, lrs, strict=True):
+            g["lr"] = lr
+        self.sched._last_lr = lrs
+        self.sched.last_epoch = 0
+
+    monkeypatch.setattr(MeshRank, "load_optimizer_state", forget_schedule)
+    res = train.reshard_check(MeshShape(dp=2), MeshShape(dp=2), steps=4, at=2, recipe=True,
+                              **SMALL)
+    assert res["param_diff"] > 1e-6
+
+
 def test_a_resumed_run_that_skipped_the_load_would_differ():
     """The check above can fail: continuing on the after-mesh from the INITIAL weights
     (no checkpoint) gives other losses than the uninterrupted run."""
@@ -206,18 +239,13 @@ def _bad_mesh_call(rank, world_size, what):
         me.step(torch.zeros(8, 15, dtype=torch.int64), torch.zeros(8, 16, dtype=torch.int64))
     if what == "directory":
         ckpt.save(me, 3)
-    if what == "recipe":
-        from parlearn.core.recipe import Recipe
-
-        ckpt.save(MeshRank(rank, cfg, MeshShape(dp=2), batch=8, seq=16, recipe=Recipe(),
-                           total_steps=4), "unused")
     if what == "total_steps":
         MeshRank(rank, cfg, MeshShape(dp=2), batch=8, seq=16, total_steps=4)
 
 
 @pytest.mark.parametrize("what, name", [("batch", "batch"), ("world", "shape.world"),
                                         ("idx", "idx"), ("directory", "directory"),
-                                        ("recipe", "recipe"), ("total_steps", "total_steps")])
+                                        ("total_steps", "total_steps")])
 def test_mesh_rank_and_save_refuse_bad_calls_on_every_rank(what, name):
     from ranks import assert_refused_on_every_rank
 

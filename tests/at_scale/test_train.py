@@ -53,8 +53,11 @@ def test_without_restarts_the_killed_job_fails_and_leaves_its_last_checkpoint(tm
     assert ckpt.latest(tmp_path) == (2, ckpt.step_dir(tmp_path, 2))
 
 
-def test_torchrun_resumes_a_run_on_another_mesh(tmp_path):
-    first = _torchrun(2, "--dp", "2", "--steps", "2", "--ckpt", str(tmp_path),
+def test_torchrun_resumes_a_run_of_the_whole_recipe_on_another_mesh(tmp_path):
+    """AdamW with decay groups, the clip and the schedule over 4 steps, ZeRO-2 over dp=2,
+    stopped after 2; resumed under TP: equal to the uninterrupted recipe run."""
+    first = _torchrun(2, "--dp", "2", "--steps", "4", "--stop-at", "2", "--recipe", "1",
+                      "--zero", "2", "--ckpt", str(tmp_path),
                       "--trace", str(tmp_path / "traces"), "--trace-steps", "1")
     assert first.returncode == 0, first.stderr[-3000:]
     # The first run also traced its last step, one Chrome trace per torchrun rank.
@@ -69,12 +72,13 @@ def test_torchrun_resumes_a_run_on_another_mesh(tmp_path):
     cp = critical.critical_path(paths, labels=("step", "step"))
     assert sum(b - a for *_, a, b in cp["segments"]) == pytest.approx(cp["step"], abs=1e-9)
     assert cp["comm"] > 0 and len(cp["calls"]) >= 2   # ZeRO-1: a reduce-scatter, an all-gather
-    second = _torchrun(2, "--tp", "2", "--steps", "4", "--ckpt", str(tmp_path))
+    second = _torchrun(2, "--tp", "2", "--steps", "4", "--recipe", "1", "--ckpt",
+                       str(tmp_path))
     assert second.returncode == 0, second.stderr[-3000:]
     assert "dp=1 x tp=2 x pp=1 on 2 ranks, attempt 0, resumed from step 2" in second.stdout
     assert "tokens/s" in second.stdout and "GFLOP/s (model)" in second.stdout
     final = ckpt.load_full(ckpt.step_dir(tmp_path, 4))
-    want = _undisturbed(4)
+    want = _undisturbed(4, recipe=True)
     assert max((final["params"][n] - t).abs().max().item() for n, t in want.items()) < 1e-12
 
 
@@ -99,6 +103,7 @@ def test_the_command_line_refuses_nccl_and_bad_flags():
     (dict(ckpt=""), "ckpt"), (dict(tp=3), "tp"), (dict(sp=1), "sp"), (dict(zero=2), "zero"),
     (dict(peak_tflops=0.0), "peak_tflops"), (dict(log="yes"), "log"), (dict(dp=True), "dp"),
     (dict(trace=""), "trace"), (dict(trace="t", trace_steps=21), "trace_steps"),
+    (dict(stop_at=0), "stop_at"), (dict(stop_at=21), "stop_at"), (dict(recipe=1), "recipe"),
     (dict(trace_steps=0), "trace_steps"),
 ])
 def test_a_spec_is_checked_when_built(kw, name):

@@ -167,6 +167,7 @@ class MeshRank:
         self.model = StageGPT(GPT(cfg, dtype=torch.float64), shape, self.stage, self.shard,
                               sp=sp, tp_group=self.tp_group, recompute=recompute)
         self.recipe, self.zero, self.grad_norm, self._taken = recipe, zero, None, 0
+        self.total_steps = total_steps
         if recipe is None:
             self.opt = ShardedAdam(self.model, stage=zero, lr=lr, group=self.dp_group)
             self.sched = None
@@ -189,6 +190,64 @@ class MeshRank:
     def steps(self) -> int:
         """Optimizer steps taken (the Adam step count)."""
         return self.opt.steps if self.recipe is None else self._taken
+
+    def optimizer_state(self) -> dict:
+        """The optimizer's state as whole local tensors keyed by parameter name, loadable
+        on any mesh: ``{"step": n, "state": {name: {"exp_avg": t, "exp_avg_sq": t}}}``.
+        ShardedAdam's all-gathers its moment shards; the recipe's broadcasts each tensor's
+        moments from its dp owner (zeros before the first step). Collective over the dp
+        group: call it on every rank."""
+        if self.recipe is None:
+            return self.opt.state_dict()
+        inner = self.opt if self.zero == 0 else self.opt.optim
+        state = {}
+        for name, p in self.model.named_parameters():
+            held = inner.state.get(p, {})
+            moments = {k: held[k].detach().clone() if k in held else torch.zeros_like(p)
+                       for k in ("exp_avg", "exp_avg_sq")}
+            if self.zero > 0:
+                owner = self.opt._global[self.opt._owner[id(p)]]
+                for t in moments.values():
+                    tdist.broadcast(t, owner, group=self.dp_group)
+            state[name] = moments
+        return {"step": self._taken, "state": state}
+
+    @torch.no_grad()
+    def load_optimizer_state(self, state_dict: dict) -> None:
+        """Load what :meth:`optimizer_state` returned (from any mesh): each rank keeps the
+        moments of the tensors it updates, and with a recipe the schedule resumes at the
+        saved step. Refuses, before changing anything, a state of other parameters."""
+        if self.recipe is None:
+            self.opt.load_state_dict(state_dict)
+            return
+        from torch.optim.optimizer import _get_scalar_dtype
+
+        if not isinstance(state_dict, dict) or set(state_dict) != {"step", "state"}:
+            raise TypeError("state_dict must be a dict with keys 'step' and 'state', as "
+                            "optimizer_state() returns")
+        step = check_int("state_dict['step']", state_dict["step"], lo=0)
+        params = dict(self.model.named_parameters())
+        state = state_dict["state"]
+        if not isinstance(state, dict) or set(state) != set(params):
+            raise ValueError("state_dict['state'] must hold exactly this rank's parameters "
+                             f"{sorted(params)}")
+        for name, p in params.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                check_tensor(f"state_dict['state'][{name!r}][{key!r}]", state[name].get(key),
+                             shape=tuple(p.shape), dtype=p.dtype)
+        inner = self.opt if self.zero == 0 else self.opt.optim
+        for name, p in params.items():
+            if self.zero == 0 or self.opt._owner[id(p)] == self.opt.rank:
+                inner.state[p] = {"step": torch.tensor(float(step), dtype=_get_scalar_dtype()),
+                                  **{k: state[name][k].clone() for k in ("exp_avg",
+                                                                         "exp_avg_sq")}}
+        self._taken = step
+        # The schedule at ``step``: what ``step`` calls of the scheduler would have left.
+        self.sched.last_epoch = step
+        lrs = [base * self.recipe.factor(step, self.total_steps) for base in self.sched.base_lrs]
+        for group, lr in zip(self.opt.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        self.sched._last_lr = lrs
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds now."""
