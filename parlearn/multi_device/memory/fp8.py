@@ -160,8 +160,9 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, *, fmt: str = "e4m3",
 
 # Bytes per parameter kept between steps, modeled. "bf16": the ZeRO paper's 2 + 2 + 12;
 # "fp8": the same, plus an FP8 copy of each matmul weight cached for the step (Transformer
-# Engine; Hopper's FP8 GEMMs may keep its transpose too: one more byte); "fp8 weights": the
-# module's weights stored only in FP8 (Transformer Engine's fp8_model_init), master copy fp32.
+# Engine); "fp8 weights": the module's weights stored only in FP8 (Transformer Engine's
+# fp8_model_init), master copy fp32. In both, Hopper's FP8 GEMMs may also keep each FP8
+# weight's transpose (one more byte), which these counts leave out.
 RECIPES: dict[str, dict[str, int]] = {
     "bf16": {"weights (bf16)": 2, "gradients (bf16)": 2, "fp32 master weights": 4,
              "Adam m, v (fp32)": 8},
