@@ -54,6 +54,15 @@ def _ab():
     return AlphaBeta(1e-5, 1e-9)
 
 
+def _x():
+    return torch.tensor([0.5, -3.0, 1e-3, 0.0, 7.0, -0.25])
+
+
+_BAD_X = [torch.arange(6), torch.zeros(6, dtype=torch.bool),
+          torch.ones(6).to(torch.float8_e4m3fn)]
+_BAD_SCALE = [0.0, -1.0, torch.tensor([1.0, 2.0]), torch.tensor(2), torch.tensor(-1.0)]
+
+
 def _problem():
     from parlearn.multi_device.batching.tasks import LinearRegressionProblem
 
@@ -204,6 +213,31 @@ CASES: list[Case] = [
          bad={"idx": [_ids().float(), _ids()[0], _ids(2, 9)], "targets": [_ids(2, 4)],
               "autocast": [torch.int64, "bf16"]},
          run_good=False),
+    # --- memory: FP8 -------------------------------------------------------------------------
+    Case(P + "memory.fp8.format_info", lambda: dict(dtype=torch.float8_e4m3fn),
+         bad={"dtype": [torch.int8, "e4m3"]}, check=lambda r, kw: r["max"] == 448.0),
+    Case(P + "memory.fp8.amax_scale", lambda: dict(x=_x(), fmt="e5m2", margin=1),
+         ranges={"margin": (0, None)}, bad={"x": _BAD_X},
+         check=lambda r, kw: r * kw["x"].abs().max().item() <= 57344 / 2 ** kw["margin"] * 1.001),
+    Case(P + "memory.fp8.quantize", lambda: dict(x=_x(), fmt="e4m3", scale=2.0),
+         bad={"x": _BAD_X, "scale": _BAD_SCALE},
+         check=lambda r, kw: r.dtype == torch.float8_e4m3fn),
+    Case(P + "memory.fp8.dequantize",
+         lambda: dict(q=_x().to(torch.float8_e4m3fn), scale=2.0, dtype=torch.float64),
+         bad={"q": [_x()], "scale": _BAD_SCALE, "dtype": [torch.int64]}),
+    Case(P + "memory.fp8.round_trip", lambda: dict(x=_x(), fmt="e5m2", scale=0.5),
+         bad={"x": _BAD_X, "scale": _BAD_SCALE}),
+    Case(P + "memory.fp8.cast_stats", lambda: dict(x=_x(), fmt="e4m3", scale=4.0),
+         bad={"x": _BAD_X, "scale": _BAD_SCALE}),
+    Case(P + "memory.fp8.scaled_matmul",
+         lambda: dict(a=_x().view(2, 3), b=_x().view(3, 2), fmt="e4m3", scaling="amax"),
+         bad={"a": _BAD_X + [_x()], "b": [_x().view(2, 3), _x().long().view(3, 2)]}),
+    Case(P + "memory.fp8.state_bytes_per_param", lambda: dict(recipe="fp8"),
+         check=lambda r, kw: r["total"] == sum(v for k, v in r.items() if k != "total")),
+    Case(P + "memory.fp8.fp8_activation_terms",
+         lambda: dict(cfg=_cfg(), batch=2, seq=8, recompute="selective"),
+         ranges={"batch": (1, None), "seq": (1, None)}, bad={"cfg": NOT_A_CFG},
+         check=lambda r, kw: all(f <= b for _, b, f in r)),
     # --- transformer ------------------------------------------------------------------------
     Case(P + "transformer.model.GPTConfig",
          lambda: dict(vocab_size=11, d_model=16, n_heads=2, n_layers=2, max_seq=8, mlp="gelu",
