@@ -137,6 +137,8 @@ ZOO_EXEMPT: dict[str, str] = {
         "splits a two-Linear MLP built by serial_mlp, refusing any other layout",
     "multi_device.moe.layer.aux_loss": "reads the MoE layers of the course's MoE-GPT only",
     "multi_device.moe.layer.moe_layers": "lists the MoE layers of the course's MoE-GPT only",
+    "multi_device.moe.modern.drop_rates":
+        "re-runs the MoE layers of the course's MoE-GPT (or a layer); other models are refused",
     "multi_device.moe.parallel.sync_grads": "acts on the MoE-GPT's expert and dense parameters",
     "multi_device.moe.parallel.to_expert_parallel": "converts the course's MoE-GPT only",
     "multi_device.sharding.fsdp.ShardedModule":

@@ -8,6 +8,8 @@ module         what it holds
 ``parallel``   expert parallelism: all-to-all dispatch and combine on real ranks, EP x DP
 ``cost``       all-to-all bytes, imbalance, the capacity trade, EP against replicated
                experts (modeled)
+``modern``     fine-grained and shared experts (DeepSeekMoE), balancing by a router bias
+               (auxiliary-loss-free), dropless routing and the drops a capacity causes
 ``train``      training an MoE-GPT beside the dense GPT at equal compute per token
 ``workers``    EP against the single-process MoE on real ranks: one layer, training
 =============  ==========================================================================
@@ -21,6 +23,14 @@ from parlearn.multi_device.moe.cost import (
     imbalance,
 )
 from parlearn.multi_device.moe.layer import ROUTINGS, MoE, aux_loss, moe_gpt, moe_layers
+from parlearn.multi_device.moe.modern import (
+    FineGrainedMoE,
+    bias_update,
+    drop_rates,
+    fine_grained_shape,
+    modern_gpt,
+    per_token_reference,
+)
 from parlearn.multi_device.moe.parallel import (
     AllToAll,
     ExpertParallelMoE,
@@ -43,4 +53,5 @@ __all__ = ["Routing", "capacity", "token_choice", "expert_choice", "balance_loss
            "MoE", "ROUTINGS", "moe_gpt", "moe_layers", "aux_loss", "AllToAll", "ExpertParallelMoE",
            "mesh_groups", "to_expert_parallel", "sync_grads", "all_to_all_bytes", "imbalance",
            "capacity_trade", "ep_pays", "ep_vs_replicated", "train_moe", "layer_check",
-           "train_check"]
+           "train_check", "FineGrainedMoE", "bias_update", "fine_grained_shape",
+           "per_token_reference", "drop_rates", "modern_gpt"]

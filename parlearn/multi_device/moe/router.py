@@ -107,14 +107,26 @@ def _check(logits: torch.Tensor, k: int, capacity_factor: float | None) -> tuple
     return E, k
 
 
-def token_choice(logits: torch.Tensor, k: int = 1, capacity_factor: float | None = None
-                 ) -> Routing:
+def token_choice(logits: torch.Tensor, k: int = 1, capacity_factor: float | None = None,
+                 bias: torch.Tensor | None = None) -> Routing:
     """Every token picks its top-``k`` experts by softmax probability (module docstring);
-    assignments beyond the capacity are dropped, slot-major then token order."""
+    assignments beyond the capacity are dropped, slot-major then token order.
+
+    ``bias`` (``(E,)``, None: none) is added to the probabilities for the top-``k``
+    **selection only**; the gates stay the probabilities of the selected experts
+    (auxiliary-loss-free balancing, Wang et al. 2024; see :mod:`.modern`). A zero bias
+    routes exactly as no bias."""
     E, k = _check(logits, k, capacity_factor)
+    if bias is not None:
+        check_tensor("bias", bias, shape=(E,), floating=True, finite=True)
     T = logits.shape[0]
     probs = torch.softmax(logits, dim=-1)
-    gate, expert = probs.topk(k, dim=-1)
+    if bias is None:
+        gate, expert = probs.topk(k, dim=-1)
+    else:
+        # The bias never carries gradient and never enters the gates: only the choice moves.
+        expert = (probs.detach() + bias.detach().to(probs)).topk(k, dim=-1).indices
+        gate = probs.gather(1, expert)
     wanted = torch.bincount(expert.flatten(), minlength=E)
     cap = capacity(T, E, k, capacity_factor)
     if cap is None:

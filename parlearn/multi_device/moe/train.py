@@ -28,6 +28,7 @@ from parlearn.core.checks import check_callable, check_float, check_int
 from parlearn.core.device import threads as device_threads
 from parlearn.multi_device.moe.cost import imbalance
 from parlearn.multi_device.moe.layer import aux_loss, moe_gpt, moe_layers
+from parlearn.multi_device.moe.modern import FineGrainedMoE, fine_grained_shape, modern_gpt
 from parlearn.multi_device.transformer.corpus import CharCorpus, get_batch, pydoc_corpus
 from parlearn.multi_device.transformer.model import GPT, GPTConfig
 from parlearn.multi_device.transformer.train import evaluate, flops_per_token
@@ -36,7 +37,8 @@ __all__ = ["train_moe"]
 
 
 def train_moe(cfg: GPTConfig, n_experts: int = 0, k: int = 1, *, balance: float = 0.01,
-              z: float = 0.0, capacity_factor: float | None = None, steps: int = 200,
+              z: float = 0.0, capacity_factor: float | None = None, granularity: int = 1,
+              shared: int = 0, bias_rate: float = 0.0, steps: int = 200,
               batch: int = 16, lr: float = 3e-3, corpus: CharCorpus | None = None,
               eval_every: int = 50, seed: int = 0,
               progress: bool | Callable[[float, str], None] | None = None,
@@ -46,6 +48,11 @@ def train_moe(cfg: GPTConfig, n_experts: int = 0, k: int = 1, *, balance: float 
     Returns ``{"model", "steps", "train_loss", "eval_steps", "val_loss", "counts"
     (per step, per layer, tokens per expert after capacity), "imbalance" (per step, the
     mean over layers of max/mean), "dropped" (per step), "params", "flops_per_token"}``.
+
+    ``granularity``, ``shared``, ``bias_rate``: other than 1, 0, 0 the model is
+    :func:`modern_gpt` (fine-grained and shared experts, the router's selection bias moved
+    by ``bias_rate`` after every optimizer step, :meth:`FineGrainedMoE.update_bias`); with
+    them the model equals :func:`moe_gpt`'s.
 
     ``progress``: a tqdm bar (True), none (None or False) or ``progress(fraction, text)``
     called at each evaluation. ``threads``: torch intra-op threads for the run (default 1,
@@ -59,6 +66,15 @@ def train_moe(cfg: GPTConfig, n_experts: int = 0, k: int = 1, *, balance: float 
     balance, z = check_float("balance", balance, lo=0), check_float("z", z, lo=0)
     if capacity_factor is not None:
         check_float("capacity_factor", capacity_factor, lo=0, lo_open=True)
+    granularity = check_int("granularity", granularity, lo=1)
+    shared = check_int("shared", shared, lo=0)
+    bias_rate = check_float("bias_rate", bias_rate, lo=0)
+    modern = (granularity, shared, bias_rate) != (1, 0, 0.0)
+    if modern and n_experts == 0:
+        raise ValueError(f"the dense model (n_experts=0) has no router: granularity="
+                         f"{granularity}, shared={shared}, bias_rate={bias_rate} need experts")
+    if modern:
+        fine_grained_shape(n_experts, k, cfg.ff, granularity, shared)
     steps, batch = check_int("steps", steps, lo=1), check_int("batch", batch, lo=1)
     lr = check_float("lr", lr, lo=0, lo_open=True)
     eval_every = check_int("eval_every", eval_every, lo=1)
@@ -71,15 +87,20 @@ def train_moe(cfg: GPTConfig, n_experts: int = 0, k: int = 1, *, balance: float 
         raise TypeError(f"corpus must be a CharCorpus or None, got {type(corpus).__name__}")
     corpus = pydoc_corpus() if corpus is None else corpus
     with contextlib.nullcontext() if threads is None else device_threads(threads):
-        return _train(cfg, n_experts, k, balance, z, capacity_factor, steps, batch, lr,
-                      corpus, eval_every, seed, progress)
+        if n_experts == 0:
+            model = GPT(cfg)
+        elif modern:
+            model = modern_gpt(cfg, n_experts, k, granularity=granularity, shared=shared,
+                               capacity_factor=capacity_factor, bias_rate=bias_rate)
+        else:
+            model = moe_gpt(cfg, n_experts, k, capacity_factor=capacity_factor)
+        return _train(model, cfg, n_experts, balance, z, steps, batch, lr, corpus,
+                      eval_every, seed, progress)
 
 
-def _train(cfg, n_experts, k, balance, z, capacity_factor, steps, batch, lr, corpus,
-           eval_every, seed, progress) -> dict:
+def _train(model, cfg, n_experts, balance, z, steps, batch, lr, corpus, eval_every, seed,
+           progress) -> dict:
     """The loop of :func:`train_moe`, its arguments already checked."""
-    model = GPT(cfg) if n_experts == 0 else moe_gpt(cfg, n_experts, k,
-                                                    capacity_factor=capacity_factor)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     warm = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warm) * (
@@ -104,6 +125,9 @@ def _train(cfg, n_experts, k, balance, z, capacity_factor, steps, batch, lr, cor
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        for m in moe_layers(model) if n_experts else ():
+            if isinstance(m, FineGrainedMoE) and m.bias_rate:
+                m.update_bias()
         out["steps"].append(step + 1)
         out["train_loss"].append(loss.item())
         if (step + 1) % eval_every == 0 or step == steps - 1:
@@ -116,6 +140,8 @@ def _train(cfg, n_experts, k, balance, z, capacity_factor, steps, batch, lr, cor
                 bar.set_postfix_str(text, refresh=False)
     out["model"] = model.eval()
     out["params"] = sum(p.numel() for p in model.parameters())
+    # The router's 2 h E forward (6 h E with backward) per layer, E the routed experts.
+    routed = moe_layers(model)[0].n_experts if n_experts else 0
     out["flops_per_token"] = flops_per_token(cfg, cfg.max_seq) + (
-        6 * cfg.n_layers * cfg.d_model * n_experts)
+        6 * cfg.n_layers * cfg.d_model * routed)
     return out
