@@ -85,6 +85,7 @@ def critical_path(traces: Sequence, *, step: int = 0,
         raise TypeError("traces must be a sequence of traces, one per rank, got "
                         f"{type(traces).__name__}")
     step = check_int("step", step, lo=0)
+    traces = [_load(t) for t in traces]   # each file read once, then its events reused
     if (not isinstance(labels, tuple) or len(labels) != 2
             or not all(isinstance(x, str) for x in labels)):
         raise TypeError(f"labels must be a (first, last) pair of span names, got {labels!r}")
