@@ -89,3 +89,17 @@ class Recipe:
                             f"{type(optimizer).__name__}")
         steps = check_int("steps", steps, lo=1)
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: self.factor(i, steps))
+
+
+def _clip_to(grads, total: torch.Tensor, max_norm: float, norm_type: float = 2.0
+             ) -> torch.Tensor:
+    """The scaling step every sharded ``clip_grad_norm_`` shares: ``total`` is the sum, over
+    every rank, of ``|g| ** norm_type`` of the gradient elements each rank answers for;
+    ``grads`` (this rank's gradients) are scaled in place by torch's factor
+    ``max_norm / (norm + 1e-6)`` when it is below 1. Returns the norm."""
+    norm = total.pow(1.0 / norm_type)
+    coef = max_norm / (float(norm) + 1e-6)
+    if coef < 1:
+        for g in grads:
+            g.detach().mul_(coef)
+    return norm

@@ -63,7 +63,7 @@ from parlearn.core.checks import (
     check_int,
     check_tensor,
 )
-from parlearn.core.recipe import Recipe
+from parlearn.core.recipe import Recipe, _clip_to
 from parlearn.multi_device.context_parallel.gpt import serial_train, train_batches
 from parlearn.multi_device.mesh.layout import AXES, MeshShape
 from parlearn.multi_device.mesh.stage import StageGPT, check_plan, shard_dim
@@ -282,13 +282,8 @@ class MeshRank:
                 continue
             total += p.grad.detach().double().pow(2).sum()
         tdist.all_reduce(total)
-        norm = float(total.sqrt())
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1:
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return norm
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return float(_clip_to(grads, total, max_norm))
 
     def _update(self) -> None:
         """The optimizer step: ShardedAdam's, or the recipe's exchange, clip, step and

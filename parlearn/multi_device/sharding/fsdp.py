@@ -59,6 +59,7 @@ import torch.distributed as tdist
 from torch import nn
 
 from parlearn.core.checks import check_bool, check_callable, check_float, check_module
+from parlearn.core.recipe import _clip_to
 from parlearn.distributed.agree import agree
 
 __all__ = ["MixedPrecisionPolicy", "shard_module", "ShardedModule"]
@@ -326,12 +327,7 @@ class ShardedModule:
             if not f.replicated or self.rank == 0:
                 total += f.shard.grad.detach().double().abs().pow(norm_type).sum().cpu()
         tdist.all_reduce(total, group=self.group)
-        norm = total.pow(1.0 / norm_type)
-        coef = max_norm / (float(norm) + 1e-6)
-        if coef < 1:
-            for g in grads:
-                g.mul_(coef)
-        return norm
+        return _clip_to(grads, total, max_norm, norm_type)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as tdist
 
 from parlearn.core.checks import check_bool, check_choice, check_float
+from parlearn.core.recipe import _clip_to
 from parlearn.distributed.agree import agree
 
 __all__ = ["ShardedOptimizer", "owners"]
@@ -219,12 +220,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         total = local.to(torch.float64)
         if self.stage == 2:
             tdist.all_reduce(total, group=self.group)
-        norm = total.pow(1.0 / norm_type)
-        coef = max_norm / (float(norm) + 1e-6)
-        if coef < 1:
-            for g in grads:
-                g.detach().mul_(coef)
-        return norm
+        return _clip_to(grads, total, max_norm, norm_type)
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
