@@ -4,6 +4,8 @@ with one rank made slow on purpose."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from parlearn.at_scale import critical as C
 from parlearn.at_scale import traces as T
@@ -84,3 +86,37 @@ def test_real_ranks_put_the_slow_rank_on_the_path(kind, tmp_path):
     assert cp["work"][1] > 0.1 > cp["work"][0]
     assert cp["compute"][1] > 0.05 > cp["compute"][0]   # the extra matmuls are compute
     assert cp["waited"][1] > 0.05 > cp["waited"][0]
+
+
+@given(st.lists(st.lists(st.tuples(st.floats(0, 20), st.floats(0.1, 10)), min_size=2,
+                         max_size=2), min_size=1, max_size=5),
+       st.floats(0, 30))
+@settings(max_examples=200, deadline=None)
+def test_the_path_tiles_the_step_and_waits_stay_within_it(calls, tail):
+    """Two ranks with random call arrivals and lengths (in order on each rank): the
+    segments are contiguous, add up to the step, and no rank is charged more waiting than
+    the step lasted."""
+    ranks = [[_x("forward", 0, 1)], [_x("forward", 0, 1)]]
+    t = [1.0, 1.0]
+    for k, pair in enumerate(calls):
+        for r, (gap, length) in enumerate(pair):
+            t[r] += gap
+            ranks[r].append(_x("gloo:all_reduce", t[r], t[r] + length, 7 + k))
+            t[r] += length
+    for r in range(2):
+        ranks[r].append(_x("optimizer", t[r], t[r] + tail))
+    cp = C.critical_path(ranks)
+    segs = cp["segments"]
+    assert all(a < b for *_, a, b in segs)
+    assert all(abs(segs[i][4] - segs[i + 1][3]) < 1e-12 for i in range(len(segs) - 1))
+    assert sum(b - a for *_, a, b in segs) == pytest.approx(cp["step"], abs=1e-9)
+    assert all(0 <= w <= cp["step"] + 1e-9 for w in cp["waited"].values())
+    # From call k's last arrival to its last end every rank is inside it: the path calls
+    # that time communication.
+    comm = T._union([(a, b) for kind, *_, a, b in segs if kind == "comm"])
+    for k in range(len(calls)):
+        spans = [[e for e in rk if e["name"] == "gloo:all_reduce"][k] for rk in ranks]
+        a_k = max(e["ts"] for e in spans) * 1e-6
+        e_k = max(e["ts"] + e["dur"] for e in spans) * 1e-6
+        assert T._length(T._intersect(comm, [(a_k, e_k)])) == pytest.approx(e_k - a_k,
+                                                                           abs=1e-9)

@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from parlearn.core.recipe import Recipe
@@ -61,3 +63,16 @@ def test_bad_uses_are_refused():
         r.scheduler("adamw", 10)
     with pytest.raises(ValueError, match="steps"):
         r.factor(0, 0)
+
+
+@given(warmup=st.integers(1, 50), steps=st.integers(1, 500),
+       floor=st.floats(0.0, 1.0, allow_nan=False), step=st.integers(0, 1000))
+@settings(max_examples=200, deadline=None)
+def test_factor_stays_between_the_floor_and_one_and_never_rises_after_warm_up(
+        warmup, steps, floor, step):
+    r = Recipe(warmup=warmup, floor=floor)
+    f = r.factor(step, steps)
+    warm = min(1.0, (step + 1) / warmup)
+    assert warm * floor - 1e-12 <= f <= warm + 1e-12
+    if step >= warmup - 1:   # past the warm-up: the cosine only falls
+        assert r.factor(step + 1, steps) <= f + 1e-12
