@@ -109,7 +109,9 @@ def measured_goodput(every: int, mtbf_steps: float, *, steps: int = 40, seed: in
     time the job took, its first start included), "failures",
     "steps_redone", "save_s": median seconds per save, "restart_s": the median over the
     failed attempts of their seconds outside steps and saves (start, load, noticing the
-    dead rank, stopping the others): what a failure costs beyond the work it loses,
+    dead rank, stopping the others): what a failure costs beyond the work it loses, an
+    estimate that prices the attempt's steps and saves at medians of other runs, so on a
+    busy machine it can come out small or even below 0,
     "step_s": median step seconds of the failure-free run, "setup_s": its seconds
     outside its steps, "wall_s", "clean_s", "param_diff": max |difference| between rank
     0's final parameters with failures and without}``: every figure measured here. Rank
