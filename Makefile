@@ -59,12 +59,13 @@ bench: $(VENV)/.test-installed
 browser-test: $(VENV)/.browser-installed
 	PARLEARN_FAST=1 $(PY) -m pytest tests_browser -v $(PYTEST_ARGS)
 
-# On a CUDA machine: every exactness test's cuda case, then the bench on the GPU.
+# On a CUDA machine: every exactness test's cuda case, then the bench on the GPU, whose rows
+# are stored (with device, date, command) as the GPU figures the lessons show beside their own.
 gpu-check: $(VENV)/.test-installed
 	@$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else \
 	  'gpu-check: torch sees no CUDA device (install a CUDA build of torch)')"
 	PARLEARN_FAST=1 $(PY) -m pytest tests -k cuda -q $(PYTEST_ARGS)
-	$(PY) -m parlearn.bench --device cuda --json gpu-bench.json
+	$(PY) -m parlearn.bench --device cuda --json gpu-bench.json --record
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -8,6 +8,7 @@ Rows may carry a target (a claim from a paper, or the project's own goal) and wh
     python -m parlearn.bench                     # everything, on the default device
     python -m parlearn.bench --quick basics      # one entry, small sizes
     python -m parlearn.bench --device cuda --json results.json
+    python -m parlearn.bench --device cuda --record  # store the rows as the lessons' GPU figures
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from parlearn.core.bench import BenchFn, Row, format_table
 from parlearn.core.checks import check_bool
 from parlearn.core.device import describe_str, pick_device
 
-__all__ = ["BENCHES", "registry", "run", "main", "Row", "format_table"]
+__all__ = ["BENCHES", "registry", "run", "run_by_name", "main", "Row", "format_table"]
 
 
 # name -> (module with a ``bench(device, quick)`` function, what it measures).
@@ -84,6 +85,12 @@ def registry() -> dict[str, tuple[str, BenchFn]]:
 def run(names: list[str] | None = None, *, device: str | None = None,
         quick: bool = False) -> list[Row]:
     """Run the named benchmarks (default: all) and return their rows."""
+    return [r for rows in run_by_name(names, device=device, quick=quick).values() for r in rows]
+
+
+def run_by_name(names: list[str] | None = None, *, device: str | None = None,
+                quick: bool = False) -> dict[str, list[Row]]:
+    """Like :func:`run`, with each entry's rows under its name."""
     if names is not None and (isinstance(names, str) or not hasattr(names, "__iter__")):
         raise TypeError(f"names must be a list of benchmark names, got {names!r}")
     names = list(BENCHES) if not names else list(names)
@@ -92,10 +99,7 @@ def run(names: list[str] | None = None, *, device: str | None = None,
         raise ValueError(f"names: unknown benchmark(s) {unknown}; known: {sorted(BENCHES)}")
     check_bool("quick", quick)
     dev = pick_device(device)
-    rows: list[Row] = []
-    for name in names:
-        rows.extend(importlib.import_module(BENCHES[name][0]).bench(dev, quick))
-    return rows
+    return {name: importlib.import_module(BENCHES[name][0]).bench(dev, quick) for name in names}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="device to measure on (default: cuda > mps > cpu)")
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    parser.add_argument("--record", action="store_true",
+                        help="store the rows (CUDA only) as the GPU reference figures the "
+                             "lessons show (parlearn/data/gpu_reference.json)")
     parser.add_argument("--list", action="store_true", help="list benchmarks and exit")
     args = parser.parse_args(argv)
     if args.list:
@@ -117,10 +124,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# parlearn.bench on {describe_str(dev)}")
         print("# ratio = baseline time / variant time: median of the per-repeat ratios, measured "
               "interleaved in this run")
-        rows = run(args.names, device=str(dev), quick=args.quick)
+        if args.record and dev.type != "cuda":
+            raise ValueError(f"--record stores GPU figures: it needs --device cuda, got {dev}")
+        by_name = run_by_name(args.names, device=str(dev), quick=args.quick)
     except ValueError as err:
         parser.error(str(err))
+    rows = [r for group in by_name.values() for r in group]
     print(format_table(rows))
+    if args.record:
+        from parlearn.core import reference
+
+        command = "python -m parlearn.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+        out = reference.record(by_name, device=describe_str(dev), command=command.strip())
+        print(f"# GPU reference figures written to {out}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump([asdict(r) for r in rows], fh, indent=2)

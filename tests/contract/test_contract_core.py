@@ -272,9 +272,9 @@ CASES = [
     Case("parlearn.core.bench.rows_in_fresh_process",
          lambda: dict(module="parlearn.core.basics", quick=True), run_good=False,
          legal={"module": ["no such parlearn.core.basics"]}),
-    Case("parlearn.bench.run", lambda: dict(names=["basics"], device="cpu", quick=True),
-         run_good=False, bad={"names": [["nope"], "basics", [3]], "device": ["tpu"]},
-         legal={"names": [None], "device": [None]}),
+    *[Case(f"parlearn.bench.{f}", lambda: dict(names=["basics"], device="cpu", quick=True),
+           run_good=False, bad={"names": [["nope"], "basics", [3]], "device": ["tpu"]},
+           legal={"names": [None], "device": [None]}) for f in ("run", "run_by_name")],
     Case("parlearn.distributed.traffic.replace_collective",
          lambda: dict(kind="all_reduce", old=_noop, new=_noop),
          bad={"kind": ["allreduce"], "old": [3], "new": [3]}),
@@ -317,6 +317,13 @@ COVERED_ELSEWHERE.update({
                  "time_collectives", "ring_vs_gloo_times")},
     **{f"parlearn.distributed.card.{f}": "tests/distributed/test_card.py::"
        "test_bad_input_names_the_argument" for f in ("Card", "calibrate", "fit_card")},
+    **{f"parlearn.core.reference.{f}":
+       "tests/core/test_reference.py::test_bad_arguments_are_refused_naming_them"
+       for f in ("record", "table", "show")},
+    "parlearn.core.reference.load":
+        "tests/core/test_reference.py::test_a_file_that_is_not_a_reference_is_refused",
+    "parlearn.core.reference.Reference":
+        "tests/core/test_reference.py::test_recorded_rows_come_back_with_their_label",
     "parlearn.core.recipe.Recipe": [
         "tests/core/test_recipe.py::test_bad_recipes_are_refused_naming_the_argument",
         "tests/core/test_recipe.py::test_bad_uses_are_refused"],
