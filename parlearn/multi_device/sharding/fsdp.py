@@ -43,7 +43,8 @@ cost a message each to shard and save almost nothing; course FSDP implementation
 FSDP2 with ``fully_shard`` on the linears only keep them replicated like this.
 
 Memory per rank (modeled, :meth:`ShardedModule.held_bytes` measures it): every unit's shard
-(``padded / N`` elements) and, while a unit runs, that unit's gathered buffer.
+(``padded / N`` elements per sharded flat), every replicated flat whole (``numel`` elements,
+on every rank, with a whole gradient), and, while a unit runs, that unit's gathered buffer.
 """
 
 from __future__ import annotations
