@@ -2,8 +2,8 @@
 
 The package is laid out as the course (``lessons/NN_*.ipynb``, the tens digit the part):
 
-- ``core``: device, timing, settings, checks, viz, widgets, datasets, the bench's rows,
-  and lesson 00's basics;
+- ``core``: device, timing, settings, checks, viz, widgets, datasets, the bench's rows and
+  their GPU reference figures, and lesson 00's basics;
 - ``distributed`` (short name ``dist``): real ``torch.distributed`` ranks, the collectives
   ledger, the alpha-beta model, collectives from send/recv (lesson 10);
 - ``multi_device``: Part 1, training on many devices (lessons 11-19);
@@ -33,7 +33,7 @@ SHORT_NAMES: dict[str, str] = {
     "device": "core.device", "timing": "core.timing", "settings": "core.settings",
     "checks": "core.checks", "viz": "core.viz", "widgets": "core.widgets",
     "datasets": "core.datasets", "models": "core.models", "basics": "core.basics",
-    "recipe": "core.recipe", "overhead": "core.overhead",
+    "recipe": "core.recipe", "overhead": "core.overhead", "reference": "core.reference",
     # distributed (lesson 10); the folder is not named "dist": pytest, ruff and .gitignore
     # templates all skip folders of that name by default.
     "dist": "distributed",
