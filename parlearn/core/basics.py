@@ -24,6 +24,13 @@ two ``s x s`` matrices ``beta s^3`` seconds of arithmetic, so
 and :func:`fit_batching_model` fits ``alpha`` and ``beta`` to a measured sweep. At one size
 this is :mod:`parlearn.core.overhead`'s ``t(n) = t0 + c n`` (``t0 = alpha``, ``c = beta s^3``),
 the model Parts 3 and 4 fit to their batched-vs-looped measurements.
+
+The roofline (Williams, Waterman & Patterson 2009) bounds a kernel by the device's two
+rates: ``attainable FLOP/s = min(peak FLOP/s, I * bytes/s)`` (:func:`roofline`), where the
+arithmetic intensity ``I`` is FLOPs per byte moved to and from memory; one ``s x s``
+product reads two matrices and writes one, so ``I = 2 s^3 / (3 s^2 b) = 2 s / (3 b)`` for
+``b``-byte elements (:func:`matmul_intensity`). :func:`measure_roofline` measures both roofs
+on this device and where batched matmuls of each size land under them.
 """
 
 from __future__ import annotations
@@ -34,13 +41,20 @@ import numpy as np
 import torch
 
 from parlearn.core.bench import Row
-from parlearn.core.checks import check_choice, check_float, check_int, check_seed, check_tensor
-from parlearn.core.timing import UNRELIABLE, compare, sweep
+from parlearn.core.checks import (
+    check_choice,
+    check_device,
+    check_float,
+    check_int,
+    check_seed,
+    check_tensor,
+)
+from parlearn.core.timing import UNRELIABLE, compare, measure, sweep
 
 __all__ = [
     "amdahl", "gustafson", "sum_graph", "work_depth", "brent_bounds", "looped_matmul",
     "batched_matmul", "random_batch", "sweep_batching",
-    "batching_model", "fit_batching_model",
+    "batching_model", "fit_batching_model", "roofline", "matmul_intensity", "measure_roofline",
 ]
 
 
@@ -285,6 +299,82 @@ def fit_batching_model(result: dict) -> dict:
         best = min(one, key=lambda cj: float(np.sum((a_w[:, cj[1]] * cj[0] - t_w) ** 2)))
         coef[best[1]] = best[0]
     return {"alpha": float(coef[0]), "beta": float(coef[1]), "size": int(result["size"])}
+
+
+def roofline(intensity, peak_flops: float, bandwidth: float):
+    """Modeled attainable FLOP/s ``min(peak_flops, intensity * bandwidth)`` (Williams et al.
+    2009): ``intensity`` in FLOPs per byte (> 0; broadcasts over arrays), ``peak_flops`` in
+    FLOP/s and ``bandwidth`` in bytes/s, both > 0. The roofs meet at the ridge
+    ``peak_flops / bandwidth``: below it a kernel is memory-bound, above it compute-bound."""
+    i = _real_array("intensity", intensity)
+    if np.any(i <= 0):
+        raise ValueError(f"intensity must be > 0 (FLOPs per byte), got {intensity!r}")
+    peak = check_float("peak_flops", peak_flops, lo=0, lo_open=True)
+    bw = check_float("bandwidth", bandwidth, lo=0, lo_open=True)
+    return np.minimum(peak, i * bw)
+
+
+def matmul_intensity(size, element_bytes: int = 4):
+    """FLOPs per byte of one ``size x size`` product that reads both operands and writes
+    the result once: ``2 s^3 / (3 s^2 element_bytes) = 2 s / (3 element_bytes)`` (``s/6``
+    in float32, ``s/3`` in bfloat16). ``size`` may be an array of whole numbers >= 1."""
+    s = _real_array("size", size)
+    if np.any(s < 1) or np.any(s != np.round(s)):
+        raise ValueError(f"size must be a whole number >= 1 (or an array of them), got {size!r}")
+    b = check_int("element_bytes", element_bytes, lo=1)
+    return 2.0 * s / (3.0 * b)
+
+
+def measure_roofline(sizes, *, working_set: int = 2**26, peak_size: int = 512, repeat: int = 5,
+                     device: str | torch.device = "cpu", threads: int | None = 1,
+                     seed: int = 0) -> dict:
+    """Measure the two roofs of ``device`` and where float32 batched matmuls sit under them.
+
+    Roofs (measured, sustained rates rather than datasheet peaks): ``peak_flops``, the FLOP/s
+    of one ``peak_size`` square matmul (``2 s^3`` FLOPs); ``bandwidth``, the bytes/s of
+    copying ``working_set`` bytes (read + write: twice the bytes copied, as
+    ``parlearn.card`` counts it). Points (measured): for each ``s`` in ``sizes`` one
+    ``torch.bmm`` of ``n`` products of ``s x s`` matrices, ``n`` chosen so that the two
+    operands and the result hold about ``working_set`` bytes (more than the caches, so they
+    stream from memory); its FLOP/s is ``2 n s^3 / median time`` at intensity
+    :func:`matmul_intensity` ``(s, 4)``. ``threads`` as in :func:`sweep_batching` (default
+    1, the thread policy's). Returns ``{"sizes", "n", "intensity", "flops", "spread",
+    "peak_flops", "bandwidth", "device", "threads", "reliable"}``.
+    """
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise TypeError(f"sizes must be a sequence of ints, got {sizes!r}")
+    sizes = [check_int("sizes[i]", s, lo=1) for s in np.asarray(sizes).tolist()]
+    if not sizes:
+        raise ValueError("sizes must hold at least one int")
+    working_set = check_int("working_set", working_set, lo=1024)
+    peak_size = check_int("peak_size", peak_size, lo=1)
+    repeat = check_int("repeat", repeat, lo=1)
+    seed = check_int("seed", seed, lo=0)
+    if threads is not None:
+        threads = check_int("threads", threads, lo=1)
+    device = check_device("device", device)
+    timings = []
+    a, b = random_batch(1, peak_size, device=device, seed=seed)
+    peak = measure(partial(torch.mm, a[0], b[0]), repeat=repeat, device=device, threads=threads)
+    timings.append(peak)
+    src = torch.ones(working_set // 4, device=device)
+    dst = torch.empty_like(src)
+    copy = measure(partial(dst.copy_, src), repeat=repeat, device=device, threads=threads)
+    timings.append(copy)
+    ns, flops, spread = [], [], []
+    for s in sizes:
+        n = max(1, working_set // (3 * 4 * s * s))
+        a, b = random_batch(n, s, device=device, seed=seed)
+        t = measure(partial(torch.bmm, a, b), repeat=repeat, device=device, threads=threads)
+        timings.append(t)
+        ns.append(n)
+        flops.append(2.0 * n * s**3 / t.median)
+        spread.append(t.spread)
+    return {"sizes": sizes, "n": ns, "intensity": matmul_intensity(sizes, 4).tolist(),
+            "flops": flops, "spread": spread,
+            "peak_flops": 2.0 * peak_size**3 / peak.median,
+            "bandwidth": 2.0 * src.numel() * 4 / copy.median, "device": device.type,
+            "threads": peak.threads, "reliable": all(t.reliable for t in timings)}
 
 
 def bench(device: torch.device, quick: bool) -> list[Row]:

@@ -160,3 +160,26 @@ def test_gustafson_grows_linearly_where_amdahl_saturates():
     p = np.array([1, 10, 1000])
     assert np.all(basics.gustafson(0.05, p) >= basics.amdahl(0.05, p))
     assert basics.gustafson(0.05, 1000) == pytest.approx(950.05)
+
+
+def test_roofline_two_roofs_meet_at_the_ridge():
+    peak, bw = 1e12, 1e11                       # ridge at 10 FLOP/byte
+    r = basics.roofline(np.array([1.0, 10.0, 100.0]), peak, bw)
+    np.testing.assert_allclose(r, [1e11, 1e12, 1e12])
+    assert basics.roofline(5.0, peak, bw) == pytest.approx(5e11)
+
+
+def test_matmul_intensity_counts_two_reads_and_one_write():
+    # s x s float32: 2 s^3 FLOPs over 3 s^2 4 bytes
+    for s in (1, 16, 128):
+        assert basics.matmul_intensity(s, 4) == pytest.approx(2 * s**3 / (3 * s * s * 4))
+    assert basics.matmul_intensity(900, 2) == pytest.approx(300.0)   # bf16: s / 3
+
+
+def test_measure_roofline_shapes_and_its_own_arithmetic():
+    r = basics.measure_roofline([4, 32], working_set=2**20, peak_size=64, repeat=2)
+    assert r["sizes"] == [4, 32] and r["threads"] == 1 and r["device"] == "cpu"
+    assert r["n"] == [2**20 // (12 * 16), 2**20 // (12 * 32 * 32)]
+    np.testing.assert_allclose(r["intensity"], basics.matmul_intensity([4, 32], 4))
+    assert all(f > 0 for f in r["flops"]) and r["peak_flops"] > 0 and r["bandwidth"] > 0
+    assert isinstance(r["reliable"], bool)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 
 import pytest
 import torch
@@ -408,6 +409,34 @@ def test_order_statistics_and_tradeoff():
     assert t2["time_per_step"] < t0["time_per_step"] and t2["variance"] > t0["variance"]
     with pytest.raises(ValueError, match="b must"):
         backup_tradeoff(4, 4, exp, compute_seconds=1.0)
+
+
+def test_order_statistic_median_is_not_the_mean():
+    """A median of measured steps must be compared with the median of X_(k:n), not its mean:
+    for the largest of n exponentials the median is -mu ln(1 - 2^(-1/n)) (1.58 mu for n = 3,
+    where the mean is 1.83 mu)."""
+    from parlearn.multi_device.data_parallel.stragglers import (
+        DelayModel,
+        expected_order_statistic,
+        order_statistic_quantile,
+    )
+
+    exp = DelayModel(kind="exponential", mean=0.04)
+    for n in (1, 3, 8):
+        closed = -0.04 * math.log(1 - 0.5 ** (1 / n))
+        assert order_statistic_quantile(n, n, exp) == pytest.approx(closed, rel=1e-9)
+    assert order_statistic_quantile(3, 3, exp) < 0.9 * expected_order_statistic(3, 3, exp)
+    # the minimum of n exponentials is exponential with mean mu / n: median mu ln 2 / n
+    assert order_statistic_quantile(1, 4, exp) == pytest.approx(0.04 * math.log(2) / 4)
+    assert order_statistic_quantile(2, 5, exp, q=0.9) > order_statistic_quantile(2, 5, exp)
+    # Monte Carlo medians of the delay model's own draws agree (exponential and Pareto)
+    for model in (exp, DelayModel(kind="pareto", mean=1.0, shape=3.0)):
+        draws = torch.tensor([[model.delay(r, s) for r in range(5)] for s in range(4000)])
+        mc = draws.sort(1).values.median(0).values
+        for k in (1, 3, 5):
+            assert float(mc[k - 1]) == pytest.approx(order_statistic_quantile(k, 5, model),
+                                                     rel=0.1)
+    assert order_statistic_quantile(2, 3, DelayModel(kind="none")) == 0.0
 
 
 def test_compressed_all_reduce_time_counts_its_four_collectives():
