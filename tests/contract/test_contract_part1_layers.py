@@ -396,6 +396,12 @@ CASES = [
          bad={"model": [torch.nn.Linear(2, 2), moe_layer.MoE(4, 8, 4, 1)]}),
     Case(MOE + "layer.moe_layers", lambda: dict(model=_moe_model()),
          check=lambda r, kw: r == [kw["model"]]),
+    # tensor parallel: when the Megatron block stays compute-bound (modeled)
+    Case(TP + "megatron.tp_roofline",
+         lambda: dict(d_ff=28672, tp=8, flops_per_s=989e12, bandwidth=450e9),
+         ranges={"d_ff": (1, None), "tp": (1, None)},
+         bad={"flops_per_s": [0.0, -1.0], "bandwidth": [0.0, -1.0]},
+         check=lambda r, kw: r["compute_bound"] == (kw["tp"] <= r["max_tp"])),
     # tensor parallel: the planner's cost models (modeled bytes, no ranks)
     Case(TP + "plan.network", lambda: dict(net=[4, 6, 2]),
          bad={"net": [[4], [4, 0], [4, True], [4, 2.5], "42", 3,
