@@ -83,6 +83,33 @@ def test_scheme_equals_full_attention(scheme, n, causal, layout):
     assert max(err[k] for k in ("o", "dq", "dk", "dv")) < TOL, err
 
 
+def test_attention_checks_in_one_launch_equal_one_launch_per_case():
+    cases = [dict(scheme=s, seq=13, heads=12, head_dim=2, batch=2, causal=c, layout=lay)
+             for s, c, lay in (("ring", True, "zigzag"), ("ulysses", False, "contiguous"),
+                               ("allgather", True, "contiguous"))]
+    together = cp.attention_checks(3, cases, timeout=20)
+    assert len(together) == len(cases)
+    for case, got in zip(cases, together, strict=True):
+        alone = cp.attention_check(case.pop("scheme"), 3, case.pop("seq"), timeout=20, **case)
+        for k in ("o", "dq", "dk", "dv"):
+            assert got[k] == alone[k] and got[k] < TOL
+        assert got["saved_full"] == alone["saved_full"]
+        for g, a in zip(got["ranks"], alone["ranks"], strict=True):
+            assert g["saved"] == a["saved"]
+            for phase in ("forward", "backward"):   # (count, bytes); the seconds differ
+                assert {k: v[:2] for k, v in g[phase].items()} == {
+                    k: v[:2] for k, v in a[phase].items()}
+            assert torch.equal(g["o"], a["o"]) and torch.equal(g["dk"], a["dk"])
+
+
+def test_attention_checks_refuses_a_bad_case_before_the_ranks_start():
+    good = dict(scheme="ring", seq=8)
+    with pytest.raises(ValueError, match="seq"):
+        cp.attention_checks(2, [good, dict(scheme="ring", seq=3, layout="zigzag")])
+    with pytest.raises(ValueError, match="cases"):
+        cp.attention_checks(2, [good, dict(scheme="ring", seq=8, colour="red")])
+
+
 def _stale_kv(monkeypatch):
     """The diffusers#14265 bug, applied to our ring backward: every step reuses the K/V
     block it saw first instead of the one it received."""

@@ -240,3 +240,25 @@ def _bad_movement(rank: int, world_size: int, which: str) -> None:
     ("gather", "x.shape"), ("halo_exchange", "halo"), ("repartition", "dst")])
 def test_rank_movements_refuse_bad_blocks_on_every_rank(which, name):
     assert_refused_on_every_rank(_bad_movement, (which,), name=name)
+
+
+def test_tp_roofline_is_the_scaling_books_condition():
+    # H100 SXM: 989 TFLOP/s bf16 dense; NVLink 4 450 GB/s one way; NDR InfiniBand 50 GB/s
+    nvlink = tp.tp_roofline(28672, 8, 989e12, 450e9)      # Llama 3 70B's d_ff, TP 8
+    assert nvlink["intensity"] == pytest.approx(989e12 / 450e9)
+    assert nvlink["width"] == 3584 and nvlink["compute_bound"]
+    assert nvlink["ratio"] == pytest.approx(3584 / (989e12 / 450e9))
+    assert nvlink["max_tp"] == 13
+    ib = tp.tp_roofline(28672, 2, 989e12, 50e9)
+    assert not ib["compute_bound"] and ib["max_tp"] == 1
+    # the boundary is strict: F/Y equal to C/W is not compute-bound
+    edge = tp.tp_roofline(4000, 2, 2000.0, 1.0)
+    assert not edge["compute_bound"] and edge["max_tp"] == 1
+    # no split communicates nothing: compute-bound, and the floor of max_tp
+    one = tp.tp_roofline(10, 1, 1e6, 1.0)
+    assert one["compute_bound"] and one["max_tp"] == 1 and one["ratio"] == float("inf")
+    # max_tp is the largest degree that is compute-bound, for any widths
+    for d_ff in (1, 7, 100, 4096, 28672):
+        m = tp.tp_roofline(d_ff, 1, 989e12, 450e9)["max_tp"]
+        assert tp.tp_roofline(d_ff, m, 989e12, 450e9)["compute_bound"]
+        assert not tp.tp_roofline(d_ff, m + 1, 989e12, 450e9)["compute_bound"]

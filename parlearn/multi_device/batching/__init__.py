@@ -62,6 +62,7 @@ from parlearn.multi_device.batching.training import (
     samples_to_target,
     train,
     worker_train,
+    worker_train_runs,
 )
 
 __all__ = ["expected_cosine", "controller_fixed_point", "adascale_gain",
@@ -70,5 +71,6 @@ __all__ = ["expected_cosine", "controller_fixed_point", "adascale_gain",
            "LinearRegressionProblem", "RegressionTask", "DigitsTask", "half_gradients",
            "half_groups", "worker_half_gradients", "draw_probe", "METHODS", "LR_SCALINGS",
            "History",
-           "train", "worker_train", "probe_bytes", "samples_to_target", "monte_carlo_halves",
+           "train", "worker_train", "worker_train_runs", "probe_bytes", "samples_to_target",
+           "monte_carlo_halves",
            "measure_noise_scale", "batch_sweep", "tradeoff_model", "frontier_samples", "bench"]

@@ -18,6 +18,7 @@ round-off.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from parlearn.multi_device.batching.halves import _check_world, _HalfProbe, half
 from parlearn.multi_device.batching.noise_scale import NoiseScale, two_half_stats
 
 __all__ = ["SimiGradController", "METHODS", "LR_SCALINGS", "History", "train", "worker_train",
-           "samples_to_target"]
+           "worker_train_runs", "samples_to_target"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -217,14 +218,11 @@ def train(model: nn.Module, task, *, method: str = "simigrad", steps: int = 100,
                  max_batch=max_batch, decay=decay, quantum=quantum, target_loss=target_loss)
 
 
-def worker_train(rank: int, world_size: int, model: nn.Module, task, kwargs: dict) -> History:
-    """A :func:`parlearn.distributed.run` worker: :func:`train` (``kwargs`` as there, ``micro``
-    included) on real ranks. Each rank draws the same batch, takes its shard, accumulates
-    ``B / (W micro)`` micro-batches under ``no_sync``, its half's group all-reduces, the
-    partners exchange halves; every rank then holds the same ``a``, ``b`` and takes the
-    same step and the same controller decision. Returns the history (every rank's is the
-    same), its ``bytes`` the ledger's payload bytes of the last step by kind of collective."""
-    check_module("model", model)
+def _worker_args(world_size: int, kwargs) -> tuple[dict, int]:
+    """``train``'s keyword arguments for a run on ``world_size`` ranks, every one checked,
+    defaults filled in, and the batch quantum."""
+    if not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs must be a dict of train arguments, got {kwargs!r}")
     if "world_size" in kwargs and kwargs["world_size"] != world_size:
         raise ValueError(f"kwargs world_size={kwargs['world_size']} differs from the run's "
                          f"{world_size}")
@@ -240,6 +238,18 @@ def worker_train(rank: int, world_size: int, model: nn.Module, task, kwargs: dic
                            args["base_batch"], args["target"], args["step"],
                            args["lr_scaling"], args["max_batch"], args["decay"],
                            args["micro"], world_size, args["target_loss"])
+    return args, quantum
+
+
+def worker_train(rank: int, world_size: int, model: nn.Module, task, kwargs: dict) -> History:
+    """A :func:`parlearn.distributed.run` worker: :func:`train` (``kwargs`` as there, ``micro``
+    included) on real ranks. Each rank draws the same batch, takes its shard, accumulates
+    ``B / (W micro)`` micro-batches under ``no_sync``, its half's group all-reduces, the
+    partners exchange halves; every rank then holds the same ``a``, ``b`` and takes the
+    same step and the same controller decision. Returns the history (every rank's is the
+    same), its ``bytes`` the ledger's payload bytes of the last step by kind of collective."""
+    check_module("model", model)
+    args, quantum = _worker_args(world_size, kwargs)
     from parlearn.distributed import ledger
 
     probe = _HalfProbe(model, world_size)
@@ -257,6 +267,24 @@ def worker_train(rank: int, world_size: int, model: nn.Module, task, kwargs: dic
     probe.dp.remove_hooks()
     hist.bytes = dict(last)
     return hist
+
+
+def worker_train_runs(rank: int, world_size: int, model: nn.Module, task, runs: list
+                      ) -> list[History]:
+    """A :func:`parlearn.distributed.run` worker: :func:`worker_train` once per dict of
+    ``runs``, each from its own copy of ``model``, one after the other in one launch
+    (starting the ranks costs seconds). Every run's arguments are checked before the first
+    one starts. Returns the histories, in order."""
+    check_module("model", model)
+    if not isinstance(runs, list) or not runs:
+        raise TypeError(f"runs must be a non-empty list of dicts of train arguments, "
+                        f"got {runs!r}")
+    for i, kw in enumerate(runs):
+        try:
+            _worker_args(world_size, kw)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"runs[{i}]: {err}") from None
+    return [worker_train(rank, world_size, copy.deepcopy(model), task, kw) for kw in runs]
 
 
 def samples_to_target(hist: History, target_loss: float) -> tuple[int, int] | None:

@@ -25,7 +25,8 @@ from parlearn.multi_device.context_parallel.ring import ring_attention
 from parlearn.multi_device.context_parallel.ulysses import ulysses_attention
 
 __all__ = ["SCHEMES", "saved_bytes", "attention_inputs", "attention_worker", "attention_check",
-           "layout_timing_worker", "layout_timing", "torch_cp_worker"]
+           "attention_checks", "attention_checks_worker", "layout_timing_worker",
+           "layout_timing", "torch_cp_worker"]
 
 SCHEMES = ("ring", "ulysses", "allgather")
 
@@ -104,25 +105,83 @@ def attention_check(scheme: str, world_size: int, seq: int, *, batch: int = 1, h
     attention in this process. Returns ``{"o", "dq", "dk", "dv"}`` (largest absolute
     errors over all ranks), ``"ranks"`` (each rank's raw result) and ``"saved_full"``
     (bytes full attention saves for backward in one process)."""
+    case = dict(scheme=scheme, seq=seq, batch=batch, heads=heads, head_dim=head_dim,
+                causal=causal, layout=layout, seed=seed, repeat=repeat)
+    return attention_checks(world_size, [case], timeout=timeout)[0]
+
+
+_CASE_KEYS = ("scheme", "seq", "batch", "heads", "head_dim", "causal", "layout", "seed",
+              "repeat")
+
+
+def _check_case(case, world_size: int, i: int) -> dict:
+    """Case ``i`` of :func:`attention_checks`: every argument checked (the error names
+    ``cases[i]``), defaults filled in."""
+    try:
+        return _fill_case(case, world_size)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"cases[{i}]: {err}") from None
+
+
+def _fill_case(case, world_size: int) -> dict:
+    if not isinstance(case, dict):
+        raise TypeError(f"cases must hold dicts, got {case!r}")
+    unknown = set(case) - set(_CASE_KEYS)
+    if unknown or "scheme" not in case or "seq" not in case:
+        raise ValueError(f"each case needs 'scheme' and 'seq' and may set "
+                         f"{_CASE_KEYS[2:]}, got keys {sorted(case)}")
+    c = dict(batch=1, heads=2, head_dim=4, causal=False, layout="contiguous", seed=0,
+             repeat=1) | case
+    check_choice("scheme", c["scheme"], SCHEMES)
+    check_int("seq", c["seq"], lo=1)
+    check_bool("causal", c["causal"])
+    check_choice("layout", c["layout"], LAYOUTS)
+    check_int("repeat", c["repeat"], lo=1)
+    attention_inputs(c["seq"], c["batch"], c["heads"], c["head_dim"], c["seed"])  # sizes
+    for r in range(world_size):
+        shard_index(c["seq"], world_size, r, c["layout"])   # seq against the layout
+    return c
+
+
+def attention_checks_worker(rank: int, world_size: int, cases: list) -> list:
+    """Worker: :func:`attention_worker` for each case of ``cases`` (dicts of its keyword
+    arguments after ``world_size``), one after the other in one launch."""
+    if not isinstance(cases, list) or not cases:
+        raise TypeError(f"cases must be a non-empty list of dicts, got {cases!r}")
+    world_size = check_int("world_size", world_size, lo=1)
+    cases = [_check_case(c, world_size, i) for i, c in enumerate(cases)]
+    return [attention_worker(rank, world_size, **c) for c in cases]
+
+
+def attention_checks(world_size: int, cases: list, *, timeout: float = 60) -> list:
+    """:func:`attention_check` for many cases on the same ranks, launched once: starting
+    ``world_size`` processes costs seconds, a small case milliseconds. ``cases``: a
+    non-empty list of dicts with ``scheme`` and ``seq`` and, optionally, attention_check's
+    ``batch, heads, head_dim, causal, layout, seed, repeat``; every case is checked before
+    the ranks start. Returns one attention_check result per case, in order."""
     from parlearn.distributed import run
 
-    check_choice("scheme", scheme, SCHEMES)
     world_size = check_int("world_size", world_size, lo=1)
-    seq = check_int("seq", seq, lo=1)
-    causal = check_bool("causal", causal)
-    check_choice("layout", layout, LAYOUTS)
-    repeat = check_int("repeat", repeat, lo=1)
     timeout = check_float("timeout", timeout, lo=0, lo_open=True)
-    q, k, v, w = attention_inputs(seq, batch, heads, head_dim, seed)   # checks the sizes
-    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
-    ref, saved = saved_bytes(full_attention, q, k, v, causal)
-    (ref * w).sum().backward()
-    want = dict(o=ref.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
-    ranks = run(attention_worker, world_size, timeout=timeout,
-                args=(scheme, seq, batch, heads, head_dim, causal, layout, seed, repeat))
-    errors = {name: max(float((r[name] - want[name][..., r["idx"], :]).abs().max())
-                        for r in ranks) for name in want}
-    return {**errors, "ranks": ranks, "saved_full": saved}
+    if not isinstance(cases, list) or not cases:
+        raise TypeError(f"cases must be a non-empty list of dicts, got {cases!r}")
+    cases = [_check_case(c, world_size, i) for i, c in enumerate(cases)]
+    refs = []
+    for c in cases:
+        q, k, v, w = attention_inputs(c["seq"], c["batch"], c["heads"], c["head_dim"],
+                                      c["seed"])
+        q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+        ref, saved = saved_bytes(full_attention, q, k, v, c["causal"])
+        (ref * w).sum().backward()
+        refs.append((dict(o=ref.detach(), dq=q.grad, dk=k.grad, dv=v.grad), saved))
+    per_rank = run(attention_checks_worker, world_size, timeout=timeout, args=(cases,))
+    out = []
+    for i, (want, saved) in enumerate(refs):
+        ranks = [r[i] for r in per_rank]
+        errors = {name: max(float((r[name] - want[name][..., r["idx"], :]).abs().max())
+                            for r in ranks) for name in want}
+        out.append({**errors, "ranks": ranks, "saved_full": saved})
+    return out
 
 
 def layout_timing_worker(rank: int, world_size: int, seq: int, heads: int, head_dim: int,

@@ -8,7 +8,8 @@
 module             what it holds
 =================  =======================================================================
 ``megatron``       Megatron's ``f`` and ``g``, column- and row-parallel linear layers from
-                   scratch, checked beside DTensor's ``parallelize_module`` on real ranks
+                   scratch, checked beside DTensor's ``parallelize_module`` on real ranks;
+                   ``tp_roofline``, when the block stays compute-bound
 ``layers``         the same layers with Megatron-LM's constructor arguments (sizes, seed,
                    ``gather_output``, ``input_is_parallel``), the vocabulary-parallel
                    embedding and cross-entropy, the gather/split autograd pair
@@ -58,6 +59,7 @@ from parlearn.multi_device.tensor_parallel.megatron import (
     megatron_check,
     megatron_worker,
     serial_mlp,
+    tp_roofline,
 )
 from parlearn.multi_device.tensor_parallel.movements import (
     MOVEMENTS,
@@ -100,6 +102,7 @@ from parlearn.multi_device.tensor_parallel.plan_levels import (
 
 __all__ = ["CopyToRanks", "SumOverRanks", "ColumnParallelLinear", "RowParallelLinear",
            "ELEMENTWISE", "MegatronMLP", "serial_mlp", "megatron_worker", "megatron_check",
+           "tp_roofline",
            # Megatron's constructor API: layers
            "GatherFromRanks", "SplitToRanks", "MegatronColumnParallelLinear",
            "MegatronRowParallelLinear", "VocabParallelEmbedding",

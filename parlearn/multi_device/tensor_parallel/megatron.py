@@ -22,6 +22,7 @@ unsharded ``nn.Linear`` (so the serial reference is that layer), and
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.distributed as tdist
@@ -38,7 +39,8 @@ from parlearn.core.checks import (
 from parlearn.distributed.agree import agree
 
 __all__ = ["CopyToRanks", "SumOverRanks", "ColumnParallelLinear", "RowParallelLinear",
-           "ELEMENTWISE", "MegatronMLP", "serial_mlp", "megatron_worker", "megatron_check"]
+           "ELEMENTWISE", "MegatronMLP", "serial_mlp", "megatron_worker", "megatron_check",
+           "tp_roofline"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -311,3 +313,30 @@ def megatron_check(world_size: int, batch: int = 4, d_model: int = 8, d_hidden: 
             err_s = max(err_s, (got - ref[k]).abs().max().item())
             err_d = max(err_d, (r["dtensor"][k] - ref[k]).abs().max().item())
     return {"scratch": err_s, "dtensor": err_d, "ledger": res[0]["ledger"]}
+
+
+# ---------------------------------------------------------------------------------------
+# When the block stays compute-bound (modeled).
+
+def tp_roofline(d_ff: int, tp: int, flops_per_s: float, bandwidth: float) -> dict:
+    """Whether a Megatron MLP block ``d -> d_ff -> d`` split ``tp`` ways stays compute-bound:
+    the condition of Austin et al., *How to Scale Your Model* (2025), Training and GPU
+    chapters. Per token, forward, in bf16: each device computes ``2 * 2 d d_ff / tp`` FLOPs
+    (two matmuls) at ``flops_per_s`` (``C``), and the block moves the token's ``d``
+    activations twice (all-gather + reduce-scatter, or one all-reduce), ``2 * 2 d`` bytes at
+    ``bandwidth`` (``W``, bytes/s one way; the ring's ``(tp-1)/tp`` is dropped, as the book
+    does). ``d`` cancels: ``T_math / T_comm = (d_ff / tp) / (C / W)``, so the block is
+    compute-bound while the per-device width ``d_ff / tp`` exceeds the hardware's
+    FLOPs-to-bytes ratio ``C / W``. Returns ``width`` (``d_ff / tp``), ``intensity``
+    (``C / W``, FLOPs per byte), ``ratio`` (``T_math / T_comm``; infinite at ``tp = 1``,
+    which communicates nothing), ``compute_bound`` and ``max_tp``, the largest degree that
+    stays compute-bound (1, no split, when no split does). Modeled: perfect overlap of the
+    collectives with the matmuls, peak rates."""
+    d_ff = check_int("d_ff", d_ff, lo=1)
+    tp = check_int("tp", tp, lo=1)
+    c = check_float("flops_per_s", flops_per_s, lo=0, lo_open=True)
+    w = check_float("bandwidth", bandwidth, lo=0, lo_open=True)
+    limit = d_ff * w / c   # d_ff / tp > C / W  <=>  tp < d_ff W / C
+    return {"width": d_ff / tp, "intensity": c / w,
+            "ratio": math.inf if tp == 1 else limit / tp,
+            "compute_bound": tp == 1 or tp < limit, "max_tp": max(1, math.ceil(limit) - 1)}
