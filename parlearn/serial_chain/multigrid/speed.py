@@ -132,8 +132,9 @@ def plot_speed(result: dict, ax) -> None:
     ns = result["Ns"]
     plot_modeled(ax, ns, result["model_f"], name="forward limit", formula="N / MGRIT depth",
                  color="C0")
-    plot_modeled(ax, ns, result["model_fb"], name="fwd+bwd limit",
-                 formula="2N / (fwd+bwd depth)", color="C1", linestyle=":")
+    plot_modeled(ax, ns, result["model_fb"], name="fwd+bwd limit",   # close to the forward
+                 formula="2N / (fwd+bwd depth)", color="C1", linestyle=":",  # one: markers
+                 marker="x", ms=7)
     plot_modeled(ax, ns, result["model_cal"], name="forward limit, calibrated",
                  formula="serial time / sum of measured call times", color="C2",
                  linestyle="--")
