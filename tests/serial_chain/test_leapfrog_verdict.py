@@ -39,6 +39,16 @@ def test_stretched_chain_means_no_idle_core():
     assert "no idle core on this machine (2 cores, 2 workers, load average 3.5)" in r["verdict"]
 
 
+def test_a_slowed_serial_run_is_not_called_per_task_overhead():
+    # the serial run's chain steps 2.5x longer than leapfrog's: the serial recording was
+    # disturbed, and "the chain kept its speed" would be false
+    r = leapfrog.shortfall(_serial(chain=2.5), _leapfrog(), measured=1.2, modeled=1.94,
+                           workers=2, cores=2, load=4.8)
+    assert r["chain_stretch"] == pytest.approx(0.4)
+    assert "kept its speed" not in r["why"]
+    assert "the serial run's chain steps took 2.5x as long as under leapfrog" in r["why"]
+
+
 def test_chain_worker_doing_the_work_means_a_starved_helper():
     r = leapfrog.shortfall(_serial(), _leapfrog(helper_share=0.25), measured=1.0, modeled=1.9,
                            workers=2, cores=2, load=0.0)

@@ -19,6 +19,8 @@ module         what it holds
                streams) and ``segments`` (chain splitting); :func:`grad`, :func:`timeline`
 ``cost``       the cost model (work and span per schedule), :func:`deep_mlp`, the bench
 ``verdict``    :func:`shortfall`: why a measured speedup falls short of the model
+``explorer``   lesson 20's explorer: :func:`explore` (one setting measured beside the model)
+               and :func:`plot_explore` (its figure)
 =============  ===========================================================================
 
 Layers: the schedules work on the *modules* of the flattened ``nn.Sequential`` (a tanh is
@@ -32,6 +34,7 @@ from parlearn.serial_chain.leapfrog.cost import (
     cost_model,
     deep_mlp,
 )
+from parlearn.serial_chain.leapfrog.explorer import explore, plot_explore
 from parlearn.serial_chain.leapfrog.schedules import (
     MODES,
     WORKER_THREAD_PREFIX,
@@ -49,4 +52,5 @@ from parlearn.serial_chain.leapfrog.terms import (
 from parlearn.serial_chain.leapfrog.verdict import shortfall
 
 __all__ = ["MODES", "Tape", "forward", "backward", "grad", "chain_step", "weight_grads",
-           "timeline", "cost_model", "deep_mlp", "WORKER_THREAD_PREFIX", "shortfall"]
+           "timeline", "cost_model", "deep_mlp", "WORKER_THREAD_PREFIX", "shortfall", "explore",
+           "plot_explore"]

@@ -6,6 +6,8 @@ far below the model, the two timelines of :func:`~parlearn.serial_chain.leapfrog
 
 * the chain steps run longer under leapfrog than in the serial schedule: the helper thread
   took the chain's core (no idle core);
+* the chain steps run much *shorter* under leapfrog than in the serial schedule: the serial
+  run was the one slowed while it was recorded, so the timelines cannot say why;
 * the chain worker computed most weight gradients itself: the helper got little core time;
 * the serial schedule's tasks are shorter than a hand-off to a thread (about 100 us):
   per-task overhead;
@@ -85,6 +87,10 @@ def shortfall(serial_events: list, leapfrog_events: list, *, measured: float,
         why = (f"no idle core on this machine ({machine}): under leapfrog each chain step took "
                f"{stretch:.1f}x as long as in the serial run, so the helper thread ran on the "
                f"chain's core instead of beside it")
+    elif stretch < 1 / _STRETCH:
+        why = (f"these timelines cannot say ({machine}): the serial run's chain steps took "
+               f"{1 / stretch:.1f}x as long as under leapfrog, so another program slowed the "
+               f"serial run while it was recorded; rerun on a quieter machine")
     elif task < _TINY:
         why = (f"per-task overhead, not parallelism: a task of the serial schedule takes a "
                f"median {task * 1e6:.0f} us, about what handing it to another thread costs "

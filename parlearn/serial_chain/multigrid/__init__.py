@@ -16,6 +16,8 @@ module              what it holds
 ``layer_parallel``  forward and adjoint of a stack by MGRIT, :class:`LayerParallelResNet`
                     beside the serial baseline :class:`SerialResNet`, :func:`train_digits`
 ``cost``            the cost model (depth and work vs the serial sweep) and the bench rows
+``speed``           lesson 21's speed dashboard: :func:`speed_sweep` (MGRIT and the serial
+                    ResNet timed beside the modeled limits) and :func:`plot_speed`
 ==================  ======================================================================
 
 The names a notebook uses are re-exported here:
@@ -51,9 +53,11 @@ from parlearn.serial_chain.multigrid.solver import (
     mgrit,
     residual,
 )
+from parlearn.serial_chain.multigrid.speed import plot_speed, speed_sweep
 from parlearn.serial_chain.multigrid.stack import ResidualStack, conv_tanh, dense_tanh, random_stack
 
 __all__ = ["ResidualStack", "dense_tanh", "conv_tanh", "random_stack", "MGRITResult",
            "ConvergenceWarning", "mgrit", "residual", "exact_iterations", "mgrit_forward",
            "mgrit_adjoint", "serial_adjoint", "parameter_grads", "LayerParallelResNet",
-           "SerialResNet", "train_digits", "cost_model", "calibrate", "bench", "RELAX"]
+           "SerialResNet", "train_digits", "cost_model", "calibrate", "bench", "RELAX",
+           "speed_sweep", "plot_speed"]

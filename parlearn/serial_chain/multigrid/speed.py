@@ -1,0 +1,151 @@
+"""Lesson 21's speed dashboard: MGRIT against the serial ResNet, measured beside three models.
+
+:func:`speed_sweep` builds one random stack per depth ``N``, checks the layer-parallel output
+against the serial one, calibrates MGRIT's calls (:func:`~.cost.calibrate`) and times the
+forward and the forward + backward of both, interleaved. :func:`plot_speed` (a
+``Dashboard``'s ``plot(result, ax)``) draws the measured speedups beside the modeled limits
+``N / depth`` (forward) and ``2N / (fwd+bwd depth)``, and the calibrated limit (serial time
+over the sum of the calibrated call times).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from parlearn.core.checks import check_device, check_int
+from parlearn.core.device import pick_device
+from parlearn.core.timing import sweep
+from parlearn.serial_chain.multigrid.cost import calibrate, cost_model
+from parlearn.serial_chain.multigrid.layer_parallel import LayerParallelResNet, SerialResNet
+from parlearn.serial_chain.multigrid.solver import _check_grid
+from parlearn.serial_chain.multigrid.stack import random_stack
+
+__all__ = ["speed_sweep", "plot_speed"]
+
+_KEYS = ("Ns", "fwd", "fb", "model_f", "model_fb", "model_cal", "err", "above", "setting")
+
+
+def _no_grad(f: Callable, x: torch.Tensor) -> Callable[[], None]:
+    def run():
+        with torch.no_grad():
+            f(x)
+    return run
+
+
+def _fwd_bwd(net: torch.nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    def run():
+        net.zero_grad(set_to_none=True)
+        net(x).square().sum().backward()
+    return run
+
+
+def speed_sweep(width: int, batch: int, cfactor: int, levels: int, iters: int, *,
+                depths: Sequence[int] = (64, 128, 256, 512, 1024), repeat: int = 5,
+                device: torch.device | str | None = None, threads: int | None = 1,
+                progress: Callable | None = None) -> dict:
+    """Time the serial ResNet (``SerialResNet``) and MGRIT (``LayerParallelResNet`` with
+    ``iters`` forward and backward iterations, no warm start) on ``random_stack(N, width)``
+    float32 and a batch of ``batch``, for each ``N`` in ``depths``: forward (no grad) and
+    forward + backward, interleaved (:func:`~parlearn.core.timing.sweep`, ``repeat`` repeats,
+    ``threads`` intra-op threads; None leaves torch's count). ``progress(fraction, text)``
+    is told where it is.
+
+    Returns a dict: ``fwd`` and ``fb`` (the sweeps), ``model_f``/``model_fb`` (the modeled
+    limits ``N / depth``), ``model_cal`` (serial median over the calibrated sum of MGRIT's
+    calls), ``err`` (MGRIT's relative output error), ``above`` (measured speedups above their
+    modeled limit: a bug to explain), and ``Ns``, ``width``, ``batch``, ``cfactor``,
+    ``setting``."""
+    width, batch = check_int("width", width, lo=1), check_int("batch", batch, lo=1)
+    iters, repeat = check_int("iters", iters, lo=1), check_int("repeat", repeat, lo=1)
+    if isinstance(depths, str) or not isinstance(depths, Sequence) or not depths:
+        raise TypeError(f"depths must be a non-empty sequence of layer counts, got {depths!r}")
+    depths = [check_int("depths", n, lo=1) for n in depths]
+    for n in depths:   # every depth's grid is checked before the first is built
+        try:
+            cfactor, levels = _check_grid(n, cfactor, levels)
+        except ValueError as err:
+            if "cfactor" in str(err) and "divisible" not in str(err):
+                raise
+            raise ValueError(f"depths: {err}") from None
+    if threads is not None:
+        threads = check_int("threads", threads, lo=1)
+    dev = pick_device() if device is None else check_device("device", device)
+    tell = progress if progress is not None else (lambda *_: None)
+    if not callable(tell):
+        raise TypeError(f"progress must be a callable or None, got {progress!r}")
+    nets, err, cals = {}, [], {}
+    steps = len(depths) + 1
+    for k, n in enumerate(depths):
+        tell(k / steps, f"building N = {n}")
+        st = random_stack(n, width, dtype=torch.float32, seed=0).to(dev)
+        x = torch.randn(batch, width, generator=torch.Generator().manual_seed(0)).to(dev)
+        lp = LayerParallelResNet(st, cfactor=cfactor, levels=levels, fwd_iters=iters,
+                                 bwd_iters=iters, warm_start=False, record=False)
+        nets[n] = (SerialResNet(st), lp, x)
+        cals[n] = calibrate(st, x, cfactor=cfactor, levels=levels, repeat=repeat,
+                            threads=threads)
+        with torch.no_grad():
+            ref = nets[n][0](x)
+            err.append(((lp(x) - ref).norm() / ref.norm()).item())
+    tell(len(depths) / steps, "measuring forward")
+    fwd = sweep(depths, lambda n: {"serial": _no_grad(nets[n][0], nets[n][2]),
+                                   "MGRIT": _no_grad(nets[n][1], nets[n][2])},
+                repeat=repeat, device=dev, threads=threads)
+    tell((len(depths) + 0.5) / steps, "measuring forward + backward")
+    fb = sweep(depths, lambda n: {"serial": _fwd_bwd(nets[n][0], nets[n][2]),
+                                  "MGRIT": _fwd_bwd(nets[n][1], nets[n][2])},
+               repeat=repeat, device=dev, threads=threads)
+    model_f = [cost_model(n, cfactor, levels, iters)["speedup"] for n in depths]
+    model_fb = [cost_model(n, cfactor, levels, iters, bwd_iters=iters)["speedup"]
+                for n in depths]
+    model_cal = [t / cost_model(n, cfactor, levels, iters,
+                                call_time=cals[n].__getitem__)["mgrit_seconds"]
+                 for n, t in zip(depths, fwd["median_s"]["serial"], strict=True)]
+    above = [(what, n, s, lim)
+             for what, sw, mod in (("forward", fwd, model_f), ("fwd+bwd", fb, model_fb))
+             for n, s, lim in zip(depths, sw["speedup"]["MGRIT"], mod, strict=True) if s > lim]
+    return {"Ns": depths, "fwd": fwd, "fb": fb, "model_f": model_f, "model_fb": model_fb,
+            "err": err, "model_cal": model_cal, "width": width, "batch": batch,
+            "cfactor": cfactor, "above": above,
+            "setting": f"w={width}, B={batch}, m={cfactor}, {levels} levels, {iters} it"}
+
+
+def plot_speed(result: dict, ax) -> None:
+    """Draw :func:`speed_sweep`'s ``result``: measured forward and fwd+bwd speedups (IQR
+    bars) beside the modeled and calibrated limits, on log axes, with the spread warning
+    and a flag when a measurement exceeds its modeled limit."""
+    from parlearn.core.viz import log_ticks, mark_reliability, plot_measured, plot_modeled
+
+    if not isinstance(result, dict) or set(_KEYS) - set(result):
+        raise ValueError(f"result must be the dict multigrid.speed_sweep returns (keys "
+                         f"{_KEYS}), got {result!r:.80}")
+    for sw, name, color in ((result["fwd"], "MGRIT forward / serial ResNet (IQR bars)", "C0"),
+                            (result["fb"], "MGRIT fwd+bwd / serial ResNet with autograd", "C1")):
+        y = np.asarray(sw["speedup"]["MGRIT"])
+        lo, hi = np.asarray(sw["speedup_lo"]["MGRIT"]), np.asarray(sw["speedup_hi"]["MGRIT"])
+        plot_measured(ax, sw["values"], y, name=name,
+                      device=f"{sw['device']}, {sw['threads']} thread(s)",
+                      yerr=np.clip(np.vstack([y - lo, hi - y]), 0, None), color=color)
+    ns = result["Ns"]
+    plot_modeled(ax, ns, result["model_f"], name="forward limit", formula="N / MGRIT depth",
+                 color="C0")
+    plot_modeled(ax, ns, result["model_fb"], name="fwd+bwd limit",   # close to the forward
+                 formula="2N / (fwd+bwd depth)", color="C1", linestyle=":",  # one: markers
+                 marker="x", ms=7)
+    plot_modeled(ax, ns, result["model_cal"], name="forward limit, calibrated",
+                 formula="serial time / sum of measured call times", color="C2",
+                 linestyle="--")
+    ax.axhline(1, color="gray", lw=0.8, label="break-even")
+    mark_reliability(ax, result["fwd"]["reliable"] and result["fb"]["reliable"])
+    if result["above"]:
+        ax.text(0.02, 0.02, "MEASURED ABOVE THE MODELED LIMIT: a bug to explain", color="red",
+                transform=ax.transAxes, fontsize=9)
+    ax.set(xscale="log", yscale="log", xlabel="layers N", ylabel="speedup over the serial ResNet",
+           title=result["setting"])
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.minorticks_off()
+    log_ticks(ax, "y")   # a speedup axis often spans under a decade: label 0.5, 1, 2...
+    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))

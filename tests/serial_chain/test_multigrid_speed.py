@@ -1,0 +1,36 @@
+"""multigrid.speed_sweep times MGRIT against the serial ResNet beside its models; plot_speed
+draws it."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+
+from parlearn import multigrid as mg  # noqa: E402
+
+
+def test_speed_sweep_measures_each_depth_beside_its_models_and_plots():
+    told = []
+    r = mg.speed_sweep(8, 2, 4, 2, 1, depths=[16, 32], repeat=1, device="cpu",
+                       progress=lambda f, text="": told.append(f))
+    assert r["Ns"] == [16, 32] and len(r["err"]) == 2 and told == sorted(told)
+    assert r["model_f"] == [mg.cost_model(n, 4, 2, 1)["speedup"] for n in (16, 32)]
+    assert all(c > 0 for c in r["model_cal"]) and r["setting"].startswith("w=8, B=2, m=4")
+    assert set(r["fwd"]["speedup"]) == {"serial", "MGRIT"} and r["fwd"]["threads"] == 1
+    fig, ax = plt.subplots()
+    mg.plot_speed(r, ax)
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any("measured on cpu" in t for t in labels) and sum("modeled" in t for t in labels) == 3
+    plt.close(fig)
+
+
+def test_speed_sweep_checks_every_depth_before_building_any():
+    with pytest.raises(ValueError, match="divisible"):
+        mg.speed_sweep(8, 2, 4, 3, 1, depths=[16, 24], repeat=1, device="cpu")
+
+
+def test_plot_speed_refuses_what_speed_sweep_did_not_return():
+    with pytest.raises(ValueError, match="result"):
+        mg.plot_speed({"Ns": [16]}, None)
