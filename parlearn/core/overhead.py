@@ -196,7 +196,34 @@ class BatchingFit:
             else:
                 out.append(f"measured {m:.3g}x is {'above' if m > model else 'below'} the "
                            f"model's {model:.3g}x by more than {SPREAD_LIMIT:.0%}")
+                out.extend(self._why_off(n, m, one))
         return "; ".join(out) + "."
+
+    def _why_off(self, n: float, measured_speedup: float, one) -> list[str]:
+        """Which side of the measured ratio left the model, when ``n`` is a fitted point.
+
+        The measured speedup is (loop at ``n``) / (batched at ``n``). The batched time at
+        ``n`` is one of the fitted points, so the loop's measured time is the speedup times
+        it; each is set against what the model charges (``n * one`` and ``t0 + c n``).
+        """
+        if n not in self.ns:
+            return ["n is not a fitted point, so the model cannot say whether the loop or the "
+                    "batched call left it"]
+        batched = self.seconds[self.ns.index(n)]
+        loop = measured_speedup * batched
+        loop_ratio, fit_ratio = loop / (n * self._one(one)), batched / float(self.predict(n))
+        why = []
+        if abs(loop_ratio - 1) > SPREAD_LIMIT:
+            why.append(f"the loop of {n:.4g} one-item calls took {loop_ratio:.2f}x the {n:.4g} "
+                       "calls the model charges (each of its calls did not cost what one call "
+                       "alone costs)")
+        if abs(fit_ratio - 1) > SPREAD_LIMIT:
+            why.append(f"the batched call of {n:.4g} items took {fit_ratio:.2f}x the fitted "
+                       "line's t0 + c n (the straight line does not hold at this n)")
+        if not why:
+            why.append(f"the loop and the batched call each sit within {SPREAD_LIMIT:.0%} of "
+                       "the model: their misses add up")
+        return why
 
 
 def fit_batching(ns, seconds) -> BatchingFit:

@@ -118,3 +118,21 @@ def test_short_name():
     import parlearn.overhead
 
     assert parlearn.overhead is overhead
+
+
+def test_verdict_says_which_side_left_the_model():
+    """A measured speedup off the model names the side that left it: the loop (its calls
+    cost more than one call alone) or the batched call (off the straight line)."""
+    ns, t0, c = [1, 4, 16, 64], 2e-4, 1e-6
+    f = fit_batching(ns, [t0 + c * n for n in ns])
+    one = t0 + c
+    # The loop of 64 took 1.5 x 64 one-item calls; the batched call sits on its line.
+    slow_loop = 1.5 * 64 * one / (t0 + 64 * c)
+    text = f.verdict(64, measured_speedup=slow_loop)
+    assert "the loop of 64 one-item calls took 1.50x" in text and "fitted line's" not in text
+    # The batched call of 64 took twice its line: only a fitted point can say so.
+    g = fit_batching([1, 4, 16, 64, 256], [t0 + c * n for n in (1, 4, 16)]
+                     + [2 * (t0 + c * 64), t0 + c * 256])
+    text = g.verdict(64, measured_speedup=64 * one / (2 * (t0 + c * 64)), one=one)
+    assert "the batched call of 64 items took" in text and "the loop of" not in text
+    assert "not a fitted point" in f.verdict(32, measured_speedup=1.0)
