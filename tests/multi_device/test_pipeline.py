@@ -234,7 +234,7 @@ def test_hydra_schedule_interleaves_models():
     assert pl.simulate(pl.hydra_schedule("1f1b", 3, 4, 3)).bubble < one
 
 
-# --- AMDP reconstruction (modeled) ----------------------------------------------------------
+# --- bidirectional pipelines (modeled) -------------------------------------------------------
 
 def test_bidirectional_does_all_the_work_and_shrinks_the_bubble():
     for stages, m in itertools.product(range(2, 6), range(2, 13, 2)):

@@ -15,8 +15,8 @@ module              what it holds
 ==================  ==================================================================
 ``schedules``       :class:`Op`, the GPipe, 1F1B and zero-bubble orders of each rank
                     (:func:`schedule`), the bubble ``(P-1)/(M+P-1)`` (:func:`bubble_formula`)
-``simulator``       the simulator (modeled): :func:`simulate` of any orders, and AMDP's
-                    bidirectional pipelines, reconstructed (:func:`simulate_bidirectional`)
+``simulator``       the simulator (modeled): :func:`simulate` of any orders, and two
+                    pipelines in opposite directions (:func:`simulate_bidirectional`)
 ``partition``       stages as layer counts: the equal split, the balanced split of
                     measured layer costs (LAMP)
 ``runtime``         the model and the single-process reference, the stages on real gloo

@@ -3,8 +3,9 @@
 :func:`simulate` runs the orders of :func:`parlearn.multi_device.pipeline.schedules.schedule`
 (or any others) on a model machine and returns a :class:`Simulation`: the timeline, the
 makespan, the bubble and the activations each stage holds at once. Beside it, a
-reconstruction of AMDP (:func:`simulate_bidirectional`, modeled only): two pipelines
-running in opposite directions over the same devices. :func:`measured_beside_simulated`
+synchronous bidirectional pipeline (:func:`simulate_bidirectional`, modeled only): two
+pipelines running in opposite directions over the same devices (Chimera's idea, which
+AMDP's multi-directional pipelines build on). :func:`measured_beside_simulated`
 puts a measured timeline and a simulated one on one time axis, rank by rank.
 """
 
@@ -187,20 +188,22 @@ def simulate(orders: Sequence[Sequence[Op]], cost_f: float | Sequence[float] = 1
 
 
 # ---------------------------------------------------------------------------------------
-# AMDP, reconstructed: pipelines running in opposite directions over the same devices.
+# Bidirectional pipelines (Chimera-style): two pipelines in opposite directions, one set of devices.
 
 def simulate_bidirectional(stages: int, micro_batches: int, cost_f: float = 1.0,
                            cost_b: float = 2.0) -> Simulation:
-    """RECONSTRUCTION (modeled). Of "Asynchronous Multi-Directional Pipeline Parallelism for
-    Large-Scale Models Training" (2026) only the title could be read; this is our own
-    reading of it, in the spirit of bidirectional schedules such as Chimera (Li & Hoefler
-    2021), not the paper's algorithm. Two replicas of the model run as two pipelines over the
-    same ``P`` devices, one mapping stage ``s`` to device ``s`` ("down"), the other to device
-    ``P-1-s`` ("up"); each takes ``micro_batches / 2`` micro-batches in 1F1B order. Each
-    device runs, among the next ops of its two stages, the one that can start first (ties:
-    backward first): list scheduling with no global step. Equal stage costs; the gradient
-    all-reduce between the replicas and their doubled weight memory are NOT modeled.
-    Compare its ``bubble`` with ``simulate(schedule("1f1b", P, M))``."""
+    """Modeled, synchronous bidirectional pipelines in the spirit of Chimera (Li & Hoefler
+    2021). Not AMDP's algorithm (Chen, Wu & Yu, ICML 2026, arXiv:2605.29664): AMDP is
+    asynchronous, caps each pipeline's first stage at two minibatches before their
+    backward, adapts the number of concurrent pipelines to the depth and accumulates
+    gradients so that the weight mismatch stays within one step; none of that is modeled
+    here. Two replicas of the model run as two pipelines over the same ``P`` devices, one
+    mapping stage ``s`` to device ``s`` ("down"), the other to device ``P-1-s`` ("up");
+    each takes ``micro_batches / 2`` micro-batches in 1F1B order. Each device runs, among
+    the next ops of its two stages, the one that can start first (ties: backward first):
+    list scheduling with no global step. Equal stage costs; the gradient all-reduce between
+    the replicas and their doubled weight memory are NOT modeled. Compare its ``bubble``
+    with ``simulate(schedule("1f1b", P, M))``."""
     stages = check_int("stages", stages, lo=2)
     micro_batches = check_int("micro_batches", micro_batches, lo=2)
     if micro_batches % 2:
