@@ -46,6 +46,7 @@ from parlearn.core.checks import (
     check_device,
     check_float,
     check_int,
+    check_ints,
     check_seed,
     check_tensor,
 )
@@ -227,11 +228,7 @@ def sweep_batching(counts, size: int, *, device: str | torch.device = "cpu", rep
     median), ``speedup`` = loop time / bmm time with the IQR of the per-repeat ratios, and
     ``reliable`` False when a spread was too wide to read (all measured).
     """
-    if isinstance(counts, (str, bytes)) or not hasattr(counts, "__iter__"):
-        raise TypeError(f"counts must be a sequence of ints, got {counts!r}")
-    counts = [check_int("counts[i]", n, lo=1) for n in np.asarray(counts).tolist()]
-    if not counts:
-        raise ValueError("counts must hold at least one int")
+    counts = check_ints("counts", counts, lo=1)
     size = check_int("size", size, lo=1)
     repeat = check_int("repeat", repeat, lo=1)
     seed = check_int("seed", seed, lo=0)
@@ -341,11 +338,7 @@ def measure_roofline(sizes, *, working_set: int = 2**26, peak_size: int = 512, r
     1, the thread policy's). Returns ``{"sizes", "n", "intensity", "flops", "spread",
     "peak_flops", "bandwidth", "device", "threads", "reliable"}``.
     """
-    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
-        raise TypeError(f"sizes must be a sequence of ints, got {sizes!r}")
-    sizes = [check_int("sizes[i]", s, lo=1) for s in np.asarray(sizes).tolist()]
-    if not sizes:
-        raise ValueError("sizes must hold at least one int")
+    sizes = check_ints("sizes", sizes, lo=1)
     working_set = check_int("working_set", working_set, lo=1024)
     peak_size = check_int("peak_size", peak_size, lo=1)
     repeat = check_int("repeat", repeat, lo=1)

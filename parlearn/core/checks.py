@@ -5,6 +5,7 @@ what it must be and what it got. ``bool`` is never accepted as a number, NaN and
 infinity never as a float (unless ``finite=False``), and nothing is clipped.
 
     n = check_int("workers", workers, lo=1)
+    sizes = check_ints("sizes", sizes, lo=1, min_len=2)
     tau = check_float("tau", tau, lo=0, hi=1, lo_open=True)
     mode = check_choice("mode", mode, ("serial", "leapfrog"))
     x = check_tensor("x", x, ndim=2, floating=True)
@@ -20,7 +21,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-__all__ = ["check_int", "check_float", "check_bool", "check_choice", "check_callable",
+__all__ = ["check_int", "check_ints", "check_float", "check_bool", "check_choice", "check_callable",
            "check_tensor", "check_module", "check_seed", "check_device", "check_str"]
 
 T = TypeVar("T")
@@ -43,6 +44,27 @@ def check_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = 
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise ValueError(f"{name} must be an int {_range_text(lo, hi)}, got {value}")
     return value
+
+
+def check_ints(name: str, value: Any, *, lo: int | None = None, hi: int | None = None,
+               min_len: int = 1) -> list[int]:
+    """``value`` as a ``list`` of ints, each in ``[lo, hi]``, at least ``min_len`` of them.
+
+    A list, a tuple or a 1-D NumPy array counts; a string, a set, a scalar or a tensor does not.
+    Each element is checked like :func:`check_int` (so a bool or a float is refused, and its
+    error names ``name[i]``).
+    """
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1:
+            raise TypeError(f"{name} must be a sequence of ints, got a {value.ndim}-D array")
+        value = list(value)
+    elif isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a sequence of ints, got {value!r}")
+    out = [check_int(f"{name}[{i}]", v, lo=lo, hi=hi) for i, v in enumerate(value)]
+    if len(out) < min_len:
+        raise ValueError(f"{name} must hold at least {min_len} int{'s' if min_len > 1 else ''}, "
+                         f"got {out}")
+    return out
 
 
 def check_float(name: str, value: Any, *, lo: float | None = None, hi: float | None = None,

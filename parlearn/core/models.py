@@ -12,18 +12,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from parlearn.core.checks import check_int
+from parlearn.core.checks import check_int, check_ints
 
 __all__ = ["mlp", "mlp_param_bytes"]
 
 
 def _check_widths(widths) -> list[int]:
-    if isinstance(widths, (str, bytes)) or not hasattr(widths, "__iter__"):
-        raise TypeError(f"widths must be a sequence of ints, got {widths!r}")
-    widths = [check_int(f"widths[{i}]", w, lo=1) for i, w in enumerate(widths)]
-    if len(widths) < 2:
-        raise ValueError(f"widths needs at least 2 entries, got {widths}")
-    return widths
+    return check_ints("widths", widths, lo=1, min_len=2)
 
 
 def mlp(widths: Sequence[int], *, seed: int = 0, dtype: torch.dtype = torch.float32

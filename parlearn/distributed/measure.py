@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from parlearn.core.bench import Row
-from parlearn.core.checks import check_callable, check_choice, check_int
+from parlearn.core.checks import check_callable, check_choice, check_int, check_ints
 from parlearn.core.timing import SPREAD_LIMIT, Timing
 from parlearn.distributed import collectives
 from parlearn.distributed.cost import AlphaBeta, collective_time, fit_alpha_beta
@@ -196,14 +196,8 @@ def ring_vs_gloo(sizes: Sequence[int] = STUDY_SIZES, world_sizes: Sequence[int] 
     :data:`LOAD_LIMIT` cores. ``progress(done, total)`` is called after each world size.
     """
     backend = check_choice("backend", backend, ("gloo", "nccl"))
-    if isinstance(world_sizes, (str, bytes)) or not isinstance(world_sizes, Sequence):
-        raise TypeError(f"world_sizes must be a sequence of ints, got {world_sizes!r}")
-    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
-        raise TypeError(f"sizes must be a sequence of ints, got {sizes!r}")
-    world_sizes = [check_int("world_sizes", n, lo=2) for n in world_sizes]
-    sizes = [check_int("sizes", n, lo=4) for n in sizes]
-    if not world_sizes or not sizes:
-        raise ValueError("sizes and world_sizes must not be empty")
+    world_sizes = check_ints("world_sizes", world_sizes, lo=2)
+    sizes = check_ints("sizes", sizes, lo=4)
     small = [n for n in sizes if n // 4 < max(world_sizes)]
     if small:
         raise ValueError(f"sizes {small}: every size must hold at least one float32 per rank "

@@ -25,7 +25,14 @@ import torch
 from torch import nn
 
 from parlearn.core.bench import Row
-from parlearn.core.checks import check_callable, check_float, check_int, check_seed, check_tensor
+from parlearn.core.checks import (
+    check_callable,
+    check_float,
+    check_int,
+    check_ints,
+    check_seed,
+    check_tensor,
+)
 from parlearn.core.timing import UNRELIABLE, compare
 
 __all__ = ["World", "make_world", "expected_scans", "observe", "log_likelihood",
@@ -443,10 +450,7 @@ def throughput(net: DMUNet, world: World, sizes: list[int], *, loop_max: int = 2
     Returns ``{"sizes", "batched": [...], "loop": [... or None], "spread", "threads",
     "reliable"}``."""
     _check_net(net, _check_world(world), world.scans[0], torch.tensor([0]))
-    if not isinstance(sizes, list | tuple) or not sizes:
-        raise TypeError(f"sizes must be a non-empty list of ints >= 1, got {sizes!r}")
-    for n in sizes:
-        check_int("sizes", n, lo=1)
+    sizes = check_ints("sizes", sizes, lo=1)
     loop_max = check_int("loop_max", loop_max, lo=0)
     repeat = check_int("repeat", repeat, lo=1)
     z = observe(world, torch.tensor([0]), seed)[0]

@@ -315,6 +315,7 @@ test_refuses, test_accepts, test_accepts_range = contract_tests(CASES)
 COVERED_ELSEWHERE: dict[str, str] = {
     f"parlearn.core.checks.{name}": "tests/core/test_checks.py::test_" + test
     for name, test in [("check_int", "int_range"), ("check_float", "float_refuses_non_finite"),
+                       ("check_ints", "ints_refuses_and_names_the_argument"),
                        ("check_bool", "choice_bool_callable_module"),
                        ("check_choice", "choice_keeps_bools_and_floats_apart_from_ints"),
                        ("check_callable", "choice_bool_callable_module"),

@@ -87,3 +87,60 @@ def test_device_and_str():
     assert checks.check_str("label", "x") == "x"
     with pytest.raises(TypeError, match="label must be a str"):
         checks.check_str("label", 3)
+
+
+def test_ints_accepts_lists_tuples_and_1d_integer_arrays():
+    import numpy as np
+    assert checks.check_ints("sizes", (3, 4), lo=1) == [3, 4]
+    assert checks.check_ints("sizes", np.arange(1, 4), lo=1) == [1, 2, 3]
+    assert all(type(v) is int for v in checks.check_ints("sizes", np.arange(1, 4)))
+
+
+@pytest.mark.parametrize("value, kind, text", [
+    ("12", TypeError, r"sizes must be a sequence of ints, got '12'"),
+    (5, TypeError, r"sizes must be a sequence of ints"),
+    ({1, 2}, TypeError, r"sizes must be a sequence of ints"),
+    (torch.tensor([1, 2]), TypeError, r"sizes must be a sequence of ints"),
+    ([4, True], TypeError, r"sizes\[1\] must be an int, got True"),
+    ([4, 2.0], TypeError, r"sizes\[1\] must be an int, got 2.0"),
+    ([4, 0], ValueError, r"sizes\[1\] must be an int >= 1, got 0"),
+    ([], ValueError, r"sizes must hold at least 1 int, got \[\]"),
+    ([4], ValueError, r"sizes must hold at least 2 ints"),
+])
+def test_ints_refuses_and_names_the_argument(value, kind, text):
+    import numpy as np
+    min_len = 2 if value == [4] else 1
+    with pytest.raises(kind, match=text):
+        checks.check_ints("sizes", value, lo=1, min_len=min_len)
+    with pytest.raises(TypeError, match="2-D array"):
+        checks.check_ints("sizes", np.ones((2, 2), dtype=int))
+
+
+def test_ints_matches_check_int_elementwise():
+    # Property: check_ints accepts a list exactly when check_int accepts every element,
+    # and returns the same values; a refusal names the first bad index.
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    elem = st.one_of(st.integers(-5, 5), st.booleans(), st.floats(-5, 5, allow_nan=False))
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(elem, max_size=6), st.integers(-3, 3))
+    def prop(values, lo):
+        def ok(v):
+            try:
+                checks.check_int("v", v, lo=lo)
+                return True
+            except (TypeError, ValueError):
+                return False
+        good = [ok(v) for v in values]
+        if values and all(good):
+            assert checks.check_ints("s", values, lo=lo) == [int(v) for v in values]
+        elif values:
+            first = good.index(False)
+            with pytest.raises((TypeError, ValueError), match=rf"s\[{first}\]"):
+                checks.check_ints("s", values, lo=lo)
+        else:
+            with pytest.raises(ValueError, match="at least 1"):
+                checks.check_ints("s", values, lo=lo)
+    prop()

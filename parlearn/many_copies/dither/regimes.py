@@ -27,6 +27,7 @@ from parlearn.core.checks import (
     check_choice,
     check_float,
     check_int,
+    check_ints,
     check_seed,
     check_tensor,
 )
@@ -343,11 +344,7 @@ def throughput(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
     _check_model(model)
     check_callable("loss_fn", loss_fn)
     _check_xy(x, y)
-    if isinstance(copies_list, (str, bytes)) or not isinstance(copies_list, Sequence):
-        raise TypeError(f"copies_list must be a sequence of ints, got {copies_list!r}")
-    if not copies_list:
-        raise ValueError("copies_list must name at least one number of copies")
-    ps = [check_int("copies_list[]", p, lo=1) for p in copies_list]
+    ps = check_ints("copies_list", copies_list, lo=1)
     _check_noise(1, dither, scale, dropout)
     repeat = check_int("repeat", repeat, lo=1)
     if threads is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from parlearn.core.checks import check_choice, check_float, check_int
+from parlearn.core.checks import check_choice, check_float, check_int, check_ints
 
 __all__ = ["DPStepModel", "dp_step_model"]
 
@@ -54,11 +54,7 @@ def dp_step_model(param_bytes: Sequence[int], world_size: int, model, *,
     """
     from parlearn.distributed import AlphaBeta, collective_time
 
-    if isinstance(param_bytes, str) or not isinstance(param_bytes, Sequence):
-        raise TypeError(f"param_bytes must be a sequence of ints, got {param_bytes!r}")
-    sizes = [check_int(f"param_bytes[{i}]", b, lo=1) for i, b in enumerate(param_bytes)]
-    if not sizes:
-        raise ValueError("param_bytes must not be empty")
+    sizes = check_ints("param_bytes", param_bytes, lo=1)
     world_size = check_int("world_size", world_size, lo=1)
     if not isinstance(model, AlphaBeta):
         raise TypeError(f"model must be a parlearn.dist.AlphaBeta, got {type(model).__name__}")

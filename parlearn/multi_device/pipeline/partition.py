@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from parlearn.core.checks import check_float, check_int, check_module, check_tensor
+from parlearn.core.checks import check_float, check_int, check_ints, check_module, check_tensor
 
 __all__ = ["split_layers", "partition_equal", "partition_balanced", "stage_costs",
            "layer_costs"]
@@ -36,9 +36,7 @@ def _costs(costs) -> list[float]:
 def split_layers(n_layers: int, counts: Sequence[int]) -> list[tuple[int, int]]:
     """``[(start, end), ...]`` layer ranges of the stages with ``counts[s]`` layers each."""
     n_layers = check_int("n_layers", n_layers, lo=1)
-    if isinstance(counts, (str, bytes)) or not isinstance(counts, Sequence):
-        raise TypeError(f"counts must be a list of ints, got {counts!r}")
-    counts = [check_int("counts", c, lo=1) for c in counts]
+    counts = check_ints("counts", counts, lo=1)
     if sum(counts) != n_layers:
         raise ValueError(f"counts {counts} must add up to n_layers={n_layers}")
     ends = [sum(counts[:i + 1]) for i in range(len(counts))]

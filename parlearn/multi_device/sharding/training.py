@@ -26,6 +26,7 @@ from parlearn.core.checks import (
     check_device,
     check_float,
     check_int,
+    check_ints,
     check_seed,
 )
 from parlearn.multi_device.sharding.cost import memory_model
@@ -50,12 +51,8 @@ def mlp(sizes: Sequence[int], *, seed: int | torch.Generator = 0,
     Built on the meta device and filled from its own generator, so the global RNG is
     untouched and every rank building it from the same seed gets the same model.
     """
-    if isinstance(sizes, str) or not isinstance(sizes, Sequence):
-        raise TypeError(f"sizes must be a sequence of ints, got {sizes!r}")
-    sizes = [check_int(f"sizes[{i}]", s, lo=1) for i, s in enumerate(sizes)]
+    sizes = check_ints("sizes", sizes, lo=1, min_len=2)   # (in, out) at least
     _check_dtype(dtype)
-    if len(sizes) < 2:
-        raise ValueError(f"sizes must have at least 2 entries (in, out), got {sizes}")
     gen = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(
         check_seed("seed", seed))
     layers: list[nn.Module] = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from parlearn.core.checks import check_float, check_int
+from parlearn.core.checks import check_float, check_int, check_ints
 from parlearn.multi_device.tensor_parallel.plan import network, plan_collectives
 
 __all__ = ["hlo_collectives", "bytes_by_kind"]
@@ -90,10 +90,7 @@ def hlo_collectives(plans: Sequence[Sequence[str]], batch: int, widths: Sequence
 
     devices = check_int("devices", devices, lo=2)
     timeout = check_float("timeout", timeout, lo=0, lo_open=True)
-    if isinstance(widths, str) or not isinstance(widths, Sequence):
-        raise TypeError(f"widths must be a sequence of ints (the chain's widths), got "
-                        f"{widths!r}")
-    widths = [check_int("widths", w, lo=1) for w in widths]
+    widths = check_ints("widths", widths, lo=1)
     try:
         network(widths)
     except (TypeError, ValueError) as e:   # its message names "net": say which argument

@@ -12,6 +12,7 @@ from torch import nn
 from parlearn.core.checks import (
     check_bool,
     check_int,
+    check_ints,
     check_tensor,
 )
 from parlearn.serial_chain.neq.equilibrium import _check_xy, _effective, linear_layers
@@ -133,12 +134,7 @@ def masked_backward(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor,
 
 
 def _check_widths(widths: Sequence[int]) -> list[int]:
-    if isinstance(widths, str) or not isinstance(widths, Sequence):
-        raise TypeError(f"widths must be a sequence of ints, got {widths!r}")
-    if len(widths) < 2:
-        raise ValueError(f"widths must list at least an input and an output width, got "
-                         f"{list(widths)}")
-    return [check_int("widths[i]", w, lo=1) for w in widths]
+    return check_ints("widths", widths, lo=1, min_len=2)   # an input and an output width
 
 
 def backward_flops(widths: Sequence[int], batch: int, active: Sequence[int]) -> int:
