@@ -183,3 +183,11 @@ def test_measure_roofline_shapes_and_its_own_arithmetic():
     np.testing.assert_allclose(r["intensity"], basics.matmul_intensity([4, 32], 4))
     assert all(f > 0 for f in r["flops"]) and r["peak_flops"] > 0 and r["bandwidth"] > 0
     assert isinstance(r["reliable"], bool)
+
+
+@pytest.mark.parametrize("fn, arg", [("sweep_batching", "counts"), ("measure_roofline", "sizes")])
+def test_size_lists_refuse_a_bool_inside(fn, arg):
+    # np.asarray([True, 2]) is [1, 2]: a bool inside the list once passed as the count 1.
+    f = getattr(basics, fn)
+    with pytest.raises(TypeError, match=rf"{arg}\[0\] must be an int, got True"):
+        f([True, 2], 4) if fn == "sweep_batching" else f([True, 2])
