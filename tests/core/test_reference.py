@@ -84,3 +84,40 @@ def test_the_packaged_file_if_any_holds_only_gpu_rows():
         pytest.skip("no GPU figures recorded in this copy (no CUDA machine has run make gpu-check)")
     assert ref.rows and all(r.device.startswith("cuda") for g in ref.rows.values() for r in g)
     assert set(ref.rows) <= set(bench.BENCHES)
+
+
+def test_any_cuda_row_set_round_trips_and_any_other_device_is_refused(tmp_path_factory):
+    # Property: record then load gives back every row of every entry unchanged; a set with
+    # one row measured anywhere but CUDA is refused whole and writes nothing.
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
+    ratio = st.floats(1e-3, 1e6, allow_nan=False, allow_infinity=False)
+
+    def rows(devices):
+        row = st.builds(Row, text, text, text, ratio, devices, text,
+                        st.sampled_from([None, True, False]), text)
+        return st.dictionaries(st.sampled_from(["dither", "qd", "rl", "gpt"]),
+                               st.lists(row, min_size=1, max_size=3), min_size=1, max_size=3)
+
+    @settings(max_examples=60, deadline=None)
+    @given(rows(st.sampled_from(["cuda", "cuda:0", "cuda:1"])),
+           st.sampled_from(["cpu", "mps", "xla", "meta", ""]), st.data())
+    def prop(good, other, data):
+        path = tmp_path_factory.mktemp("ref") / "ref.json"
+        reference.record(good, device="H100", command="cmd", path=path, date="2026-12-07")
+        ref = reference.load(path)
+        for name, want in good.items():
+            assert ref.rows_for(name) == list(want)
+        bad = {k: list(v) for k, v in good.items()}
+        name = data.draw(st.sampled_from(sorted(bad)))
+        i = data.draw(st.integers(0, len(bad[name]) - 1))
+        r = bad[name][i]
+        bad[name][i] = Row(r.benchmark, r.baseline, r.variant, r.ratio, other, r.target, r.met,
+                           r.detail)
+        path2 = path.with_name("bad.json")
+        with pytest.raises(ValueError, match="only rows measured on CUDA"):
+            reference.record(bad, device="H100", command="cmd", path=path2)
+        assert not path2.exists()
+    prop()
