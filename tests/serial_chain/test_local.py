@@ -312,3 +312,17 @@ def test_run_local_refuses_every_bad_argument_before_any_rank_starts(monkeypatch
                      ("timeout", dict(timeout=True))]:
         with pytest.raises((ValueError, TypeError), match=name):
             lo.run_local(net, x, y, **kw)
+
+
+def test_sgd_step_is_the_per_tensor_update_bit_for_bit():
+    from parlearn.serial_chain.local.rules import _sgd
+
+    gen = torch.Generator().manual_seed(0)
+    for wd in (0.0, 1e-3):
+        ps = [torch.randn(5, 3, generator=gen, dtype=torch.float64), torch.randn(5, generator=gen)]
+        gs = [torch.randn_like(p) for p in ps]
+        ref = [p - 0.1 * (g + wd * p) if wd else p - 0.1 * g for p, g in zip(ps, gs, strict=True)]
+        _sgd(ps, gs, 0.1, wd)
+        assert all(torch.equal(p, r) for p, r in zip(ps, ref, strict=True))
+    with pytest.raises(ValueError):
+        _sgd(ps, gs[:1], 0.1, 0.0)

@@ -34,3 +34,19 @@ def test_speed_sweep_checks_every_depth_before_building_any():
 def test_plot_speed_refuses_what_speed_sweep_did_not_return():
     with pytest.raises(ValueError, match="result"):
         mg.plot_speed({"Ns": [16]}, None)
+
+
+def test_plot_speed_calls_a_median_above_its_limit_unreadable_when_the_repeats_spread():
+    r = mg.speed_sweep(8, 2, 4, 2, 1, depths=[16], repeat=1, device="cpu")
+    lim = r["model_f"][0]
+    r["above"] = [("forward", 16, lim + 1.0, lim)]
+    for reliable, lo, expect in ((False, lim + 0.5, "too spread"), (True, lim - 0.5, "too spread"),
+                                 (True, lim + 0.5, "a bug to explain")):
+        r["fwd"]["reliable"], r["fwd"]["speedup_lo"]["MGRIT"][0] = reliable, lo
+        fig, ax = plt.subplots()
+        mg.plot_speed(r, ax)
+        text = " ".join(t.get_text() for t in ax.texts)
+        assert "ABOVE THE MODELED LIMIT" in text and expect in text, (reliable, lo, text)
+        if expect == "too spread":
+            assert "a bug to explain" not in text
+        plt.close(fig)
