@@ -62,11 +62,44 @@ def test_tiny_tasks_mean_per_task_overhead():
     assert "a task of the serial schedule takes a median 10 us" in r["verdict"]
 
 
-def test_otherwise_per_task_overhead():
+def test_otherwise_the_verdict_says_it_cannot_explain():
+    # chain at full speed, work shared, tasks far above a hand-off: nothing in the timelines
+    # explains the shortfall, and the verdict must not invent per-task overhead
     r = leapfrog.shortfall(_serial(), _leapfrog(), measured=1.0, modeled=1.9, workers=2, cores=8,
                            load=0.0)
     assert r["chain_stretch"] == pytest.approx(1.0) and r["lanes"] == 2
-    assert "per-task overhead, not parallelism" in r["verdict"]
+    assert r["timeline_speedup"] == pytest.approx(2.0)
+    assert r["why"].startswith("not explained by these timelines")
+    assert "overhead" not in r["why"]
+
+
+def test_a_stretched_tail_counts_although_the_median_step_kept_its_speed():
+    # 5 of 8 chain steps at serial speed, 3 stretched 6x: the median step is 1.0x, but the
+    # chain took 2.9x as long in all, which is what slowed the backward
+    serial = _serial(n=8)
+    lf = _leapfrog(n=8)
+    t, stretched = 0.0, []
+    for lane, task, a, b in lf:
+        if task.startswith("chain"):
+            d = 6.0 if task in ("chain 3", "chain 2", "chain 1") else 1.0
+            stretched.append((lane, task, t, t + d))
+            t += d
+        else:
+            stretched.append((lane, task, a, b))
+    r = leapfrog.shortfall(serial, stretched, measured=0.7, modeled=1.94, workers=2, cores=2,
+                           load=4.0)
+    assert r["chain_stretch"] == pytest.approx(23 / 8)
+    assert "no idle core" in r["why"] and "2.9x as long in all" in r["why"]
+
+
+def test_timelines_that_disagree_with_the_timed_repeats_cannot_say():
+    # the timelines show the chain 4x slower (a 0.5x speedup), the timed repeats 1.5x: the
+    # machine moved between the recordings, and "4x as long" would be read off the wrong run
+    r = leapfrog.shortfall(_serial(), _leapfrog(chain=4.0), measured=1.5, modeled=1.94,
+                           workers=2, cores=2, load=5.0)
+    assert r["timeline_speedup"] == pytest.approx(0.5)
+    assert "these timelines cannot say" in r["why"] and "no idle core" not in r["why"]
+    assert "0.50x speedup against 1.50x in the timed repeats" in r["why"]
 
 
 def test_real_timelines_are_read():
