@@ -431,6 +431,32 @@ def test_train_regimes_record_compute():
     assert 0 <= hp.test_acc[0] <= 1 and len(hb.test_error) == 2
 
 
+def test_train_records_every_k_updates_and_the_last():
+    """``record_every``: a record every k updates (and after the last), with the train loss
+    averaged over the examples since the previous record; the weights are the same run."""
+    data = datasets.digits(dtype=torch.float64, n_train=12)
+    kw = dict(epochs=2, dither="gaussian", scale=0.2, lr=0.1, hidden=8, seed=4)
+    per_pass = dither.train("single", data, **kw)
+    every5 = dither.train("single", data, record_every=5, **kw)
+    assert per_pass.updates == [12, 24]
+    assert every5.updates == [5, 10, 15, 20, 24] and every5.forwards == [5, 10, 15, 20, 24]
+    assert every5.test_loss[-1] == per_pass.test_loss[-1]  # recording does not change the run
+    every12 = dither.train("single", data, record_every=12, **kw)
+    assert every12.updates == [12, 24] and every12.train_loss == per_pass.train_loss
+    every4 = dither.train("single", data, record_every=4, **kw)
+    assert every4.updates == [4, 8, 12, 16, 20, 24]
+    mean4 = sum(every4.train_loss[:3]) / 3
+    assert mean4 == pytest.approx(per_pass.train_loss[0], rel=1e-12)
+    hb = dither.train("batch", data, epochs=3, batch_size=5, record_every=4)
+    assert hb.updates == [4, 8, 9] and hb.forwards == [17, 34, 36]
+    with pytest.raises(ValueError, match="record_every"):
+        dither.train("single", data, record_every=0)
+    r = dither.compare_regimes(data, epochs=1, batch_size=2, copies=2, hidden=8,
+                               record_every=3)
+    assert all(h[0].updates == [3, 6, 9, 12] for k, h in r.items() if "batch" not in k)
+    assert r["batch SGD"][0].updates == [3, 6, 9, 12]
+
+
 def test_compare_regimes_has_the_controls_and_every_seed():
     data = datasets.digits(n_train=16)
     r = dither.compare_regimes(data, epochs=1, batch_size=2, copies=2, hidden=8, seeds=(0, 1),

@@ -85,7 +85,8 @@ def mlp(n_in: int, hidden: int, n_out: int, *, dropout: float = 0.0,
 
 @dataclass
 class History:
-    """Per-epoch record of one training run, with the compute it spent."""
+    """Record of one training run (after every pass, or every ``record_every`` updates),
+    with the compute it spent."""
 
     regime: str
     updates: list[int] = field(default_factory=list)
@@ -121,7 +122,7 @@ def _check_split(data) -> None:
 def train(regime: str, data, *, epochs: int = 5, lr: float = 0.05, hidden: int = 64,
           batch_size: int | None = None, copies: int | None = None,
           dither: str | None = None, scale: float = 0.0, dropout: float | None = None,
-          seed: int = 0, progress: bool = False) -> History:
+          seed: int = 0, record_every: int | None = None, progress: bool = False) -> History:
     """Train an MLP on ``data`` (a :class:`parlearn.datasets.Split`) with one update scheme.
 
     * ``"batch"``: minibatch SGD (``batch_size`` examples per update), one noisy copy each;
@@ -132,9 +133,11 @@ def train(regime: str, data, *, epochs: int = 5, lr: float = 0.05, hidden: int =
     by ``"parallel"`` only; giving either to another regime is an error. ``seed`` fixes the
     initial weights, the data order and the noise; torch's global generator is not used.
     The model has no random layers (the noise is on the input, see :func:`draw_noise`).
-    Records after every epoch: updates, forward passes (examples pushed through the
-    model, copies included), train loss, test loss and accuracy. ``progress`` shows a
-    text progress bar (tqdm) on stderr.
+    Records updates, forward passes (examples pushed through the model, copies included),
+    train loss (mean over the examples since the previous record), test loss and accuracy:
+    after every pass over the data when ``record_every`` is None, else after every
+    ``record_every`` updates and after the last one. ``progress`` shows a text progress
+    bar (tqdm) on stderr.
     """
     regime = check_choice("regime", regime, REGIMES)
     _check_split(data)
@@ -152,6 +155,8 @@ def train(regime: str, data, *, epochs: int = 5, lr: float = 0.05, hidden: int =
     if regime == "parallel":
         p = check_int("copies", 16 if copies is None else copies, lo=1)
     seed = check_int("seed", seed, lo=0)
+    if record_every is not None:
+        record_every = check_int("record_every", record_every, lo=1)
     check_bool("progress", progress)
     _check_noise(p, dither, scale, dropout)
     n_classes = int(torch.cat([data.y_train, data.y_test]).max()) + 1
@@ -162,7 +167,19 @@ def train(regime: str, data, *, epochs: int = 5, lr: float = 0.05, hidden: int =
     hist = History(regime)
     n = data.x_train.shape[0]
     updates = forwards = 0
+    running, seen = 0.0, 0  # train loss summed over the examples since the last record
     bar = None
+
+    def record():
+        nonlocal running, seen
+        test_loss, test_acc = _evaluate(model, data.x_test, data.y_test)
+        hist.updates.append(updates)
+        hist.forwards.append(forwards)
+        hist.train_loss.append(running / seen)
+        hist.test_loss.append(test_loss)
+        hist.test_acc.append(test_acc)
+        running, seen = 0.0, 0
+
     if progress:
         from tqdm.std import tqdm  # the text bar: no widget, nothing left waiting in a kernel
 
@@ -170,24 +187,24 @@ def train(regime: str, data, *, epochs: int = 5, lr: float = 0.05, hidden: int =
     try:
         for _ in range(epochs):
             order = torch.randperm(n, generator=g).to(data.x_train.device)
-            running = 0.0
             for start in range(0, n, bs):
                 idx = order[start:start + bs]
                 opt.zero_grad(set_to_none=True)
                 running += parallel_grad(model, nn.functional.cross_entropy, data.x_train[idx],
                                          data.y_train[idx], copies=p, dither=dither, scale=scale,
                                          dropout=dropout, generator=g) * len(idx)
+                seen += len(idx)
                 opt.step()
                 updates += 1
                 forwards += p * len(idx)
                 if bar is not None:
                     bar.update()
-            test_loss, test_acc = _evaluate(model, data.x_test, data.y_test)
-            hist.updates.append(updates)
-            hist.forwards.append(forwards)
-            hist.train_loss.append(running / n)
-            hist.test_loss.append(test_loss)
-            hist.test_acc.append(test_acc)
+                if record_every is not None and updates % record_every == 0:
+                    record()
+            if record_every is None:
+                record()
+        if seen:  # updates after the last multiple of record_every
+            record()
     finally:
         if bar is not None:
             bar.close()
@@ -211,7 +228,7 @@ def _regime_plan(epochs: int, batch_size: int, copies: int,
 
 def compare_regimes(data, *, epochs: int, batch_size: int = 16, copies: int = 16,
                     noises: dict[str, dict] | None = None, lr: float = 0.05, hidden: int = 64,
-                    seeds: Sequence[int] = (0,),
+                    seeds: Sequence[int] = (0,), record_every: int | None = None,
                     progress: Callable[[float, str], None] | None = None,
                     threads: int | None = 1) -> dict[str, list[History]]:
     """The lesson's experiment, at equal updates, for each seed in ``seeds``.
@@ -226,7 +243,9 @@ def compare_regimes(data, *, epochs: int, batch_size: int = 16, copies: int = 16
     batch runs make ``epochs * batch_size`` passes, so they take as many updates, and
     with ``copies == batch_size`` the parallel run pushes as many examples through
     the model as batch SGD does. Returns ``{name: [History for each seed]}``.
-    ``progress(fraction, text)`` is called before every run. ``threads`` pins torch's
+    ``record_every`` is passed to :func:`train` (all runs take about as many updates, so
+    their curves share the same points). ``progress(fraction, text)`` is called before
+    every run. ``threads`` pins torch's
     intra-op thread count for the call and restores it (one thread is fastest for these
     tiny models and keeps a busy machine usable); ``None`` keeps the caller's count.
     """
@@ -255,6 +274,8 @@ def compare_regimes(data, *, epochs: int, batch_size: int = 16, copies: int = 16
     check_float("lr", lr, lo=0.0, lo_open=True)
     check_int("hidden", hidden, lo=1)
     seeds = [check_int("seeds[]", s, lo=0) for s in seeds]
+    if record_every is not None:
+        record_every = check_int("record_every", record_every, lo=1)
     if not seeds:
         raise ValueError("seeds must name at least one seed")
     if progress is not None:
@@ -269,7 +290,8 @@ def compare_regimes(data, *, epochs: int, batch_size: int = 16, copies: int = 16
             for name, kw in plan.items():
                 if progress is not None:
                     progress(done / total, f"training {name} (seed {seed})")
-                out[name].append(train(data=data, lr=lr, hidden=hidden, seed=seed, **kw))
+                out[name].append(train(data=data, lr=lr, hidden=hidden, seed=seed,
+                                       record_every=record_every, **kw))
                 done += 1
     if progress is not None:
         progress(1.0, "done")
