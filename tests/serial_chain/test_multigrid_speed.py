@@ -50,3 +50,22 @@ def test_plot_speed_calls_a_median_above_its_limit_unreadable_when_the_repeats_s
         if expect == "too spread":
             assert "a bug to explain" not in text
         plt.close(fig)
+
+
+def test_a_calibrated_limit_above_n_over_depth_is_flagged_not_drawn_silently():
+    # the calibrated calls can never add up to less than depth serial layers: when they do,
+    # the serial loop and the calls were timed at different speeds of the machine
+    r = mg.speed_sweep(8, 2, 4, 2, 1, depths=[16], repeat=1, device="cpu")
+    assert r["cal_above"] == [(16, c, lim) for c, lim in zip(r["model_cal"], r["model_f"],
+                                                                    strict=True) if c > lim]
+    r["above"], r["model_cal"] = [], [r["model_f"][0] * 8]
+    r["cal_above"] = [(16, r["model_cal"][0], r["model_f"][0])]
+    fig, ax = plt.subplots()
+    mg.plot_speed(r, ax)
+    text = " ".join(t.get_text() for t in ax.texts)
+    assert "CALIBRATED LIMIT ABOVE THE MODELED ONE (N=16" in text
+    # the note sits under the axes, not over the data
+    fig.canvas.draw()
+    note = next(t for t in ax.texts if "CALIBRATED" in t.get_text())
+    assert note.get_window_extent().y1 < ax.get_window_extent().y0
+    plt.close(fig)

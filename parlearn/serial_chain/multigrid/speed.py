@@ -56,7 +56,10 @@ def speed_sweep(width: int, batch: int, cfactor: int, levels: int, iters: int, *
     Returns a dict: ``fwd`` and ``fb`` (the sweeps), ``model_f``/``model_fb`` (the modeled
     limits ``N / depth``), ``model_cal`` (serial median over the calibrated sum of MGRIT's
     calls), ``err`` (MGRIT's relative output error), ``above`` (measured speedups above their
-    modeled limit: a bug to explain), and ``Ns``, ``width``, ``batch``, ``cfactor``,
+    modeled limit: a bug to explain), ``cal_above`` (``(N, calibrated, modeled)`` where the
+    calibrated limit exceeds ``N / depth``: the calls, each timed alone, added up to less than
+    ``depth`` serial layers, which no batched call can do, so the serial loop and the calls were
+    timed at different speeds of the machine), and ``Ns``, ``width``, ``batch``, ``cfactor``,
     ``setting``."""
     width, batch = check_int("width", width, lo=1), check_int("batch", batch, lo=1)
     iters, repeat = check_int("iters", iters, lo=1), check_int("repeat", repeat, lo=1)
@@ -107,9 +110,11 @@ def speed_sweep(width: int, batch: int, cfactor: int, levels: int, iters: int, *
     above = [(what, n, s, lim)
              for what, sw, mod in (("forward", fwd, model_f), ("fwd+bwd", fb, model_fb))
              for n, s, lim in zip(depths, sw["speedup"]["MGRIT"], mod, strict=True) if s > lim]
+    cal_above = [(n, c, lim) for n, c, lim in zip(depths, model_cal, model_f, strict=True)
+                 if c > lim]
     return {"Ns": depths, "fwd": fwd, "fb": fb, "model_f": model_f, "model_fb": model_fb,
             "err": err, "model_cal": model_cal, "width": width, "batch": batch,
-            "cfactor": cfactor, "above": above,
+            "cfactor": cfactor, "above": above, "cal_above": cal_above,
             "setting": f"w={width}, B={batch}, m={cfactor}, {levels} levels, {iters} it"}
 
 
@@ -127,6 +132,14 @@ def _above_note(result: dict) -> str:
         return ("MEASURED ABOVE THE MODELED LIMIT (" + ", ".join(spread)
                 + "): repeats too spread to read, not a result")
     return "MEASURED ABOVE THE MODELED LIMIT with steady repeats: a bug to explain"
+
+
+def _cal_note(result: dict) -> str:
+    """What :func:`plot_speed` writes when the calibrated limit lies above ``N / depth``."""
+    where = ", ".join(f"N={n}: {c:.2g}x > {lim:.2g}x" for n, c, lim in result["cal_above"])
+    return (f"CALIBRATED LIMIT ABOVE THE MODELED ONE ({where}): the calls, timed alone, added up "
+            f"to less than depth serial layers;\nthe serial loop and the calls were timed at "
+            f"different speeds of a busy machine: not a result")
 
 
 def plot_speed(result: dict, ax) -> None:
@@ -156,8 +169,12 @@ def plot_speed(result: dict, ax) -> None:
                  linestyle="--")
     ax.axhline(1, color="gray", lw=0.8, label="break-even")
     mark_reliability(ax, result["fwd"]["reliable"] and result["fb"]["reliable"])
-    if result["above"]:
-        ax.text(0.02, 0.02, _above_note(result), color="red", transform=ax.transAxes, fontsize=9)
+    notes = ([_above_note(result)] if result["above"] else []) + (
+        [_cal_note(result)] if result.get("cal_above") else [])
+    if notes:   # under the axis label, never over the data
+        ax.annotate("\n".join(notes), xy=(0.5, 0.0), xycoords=ax.xaxis.label, xytext=(0, -4),
+                    textcoords="offset points", ha="center", va="top", color="red", fontsize=8,
+                    annotation_clip=False)
     ax.set(xscale="log", yscale="log", xlabel="layers N", ylabel="speedup over the serial ResNet",
            title=result["setting"])
     ax.set_xticks(ns, [str(n) for n in ns])
