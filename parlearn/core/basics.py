@@ -50,12 +50,13 @@ from parlearn.core.checks import (
     check_seed,
     check_tensor,
 )
-from parlearn.core.timing import UNRELIABLE, compare, measure, sweep
+from parlearn.core.timing import UNRELIABLE, _quartiles, compare, measure, sweep
 
 __all__ = [
     "amdahl", "gustafson", "sum_graph", "work_depth", "brent_bounds", "looped_matmul",
     "batched_matmul", "random_batch", "sweep_batching",
     "batching_model", "fit_batching_model", "roofline", "matmul_intensity", "measure_roofline",
+    "roofline_bound",
 ]
 
 
@@ -335,8 +336,11 @@ def measure_roofline(sizes, *, working_set: int = 2**26, peak_size: int = 512, r
     operands and the result hold about ``working_set`` bytes (more than the caches, so they
     stream from memory); its FLOP/s is ``2 n s^3 / median time`` at intensity
     :func:`matmul_intensity` ``(s, 4)``. ``threads`` as in :func:`sweep_batching` (default
-    1, the thread policy's). Returns ``{"sizes", "n", "intensity", "flops", "spread",
-    "peak_flops", "bandwidth", "device", "threads", "reliable"}``.
+    1, the thread policy's). ``ridge_range`` is the ridge ``peak_flops / bandwidth`` taken
+    at the quartiles of the two roofs' repeats (lowest: copy's lower quartile over the
+    matmul's upper one; highest: the other way round), the run's own spread of the ridge.
+    Returns ``{"sizes", "n", "intensity", "flops", "spread", "peak_flops", "bandwidth",
+    "ridge_range", "device", "threads", "reliable"}``.
     """
     sizes = check_ints("sizes", sizes, lo=1)
     working_set = check_int("working_set", working_set, lo=1024)
@@ -363,11 +367,36 @@ def measure_roofline(sizes, *, working_set: int = 2**26, peak_size: int = 512, r
         ns.append(n)
         flops.append(2.0 * n * s**3 / t.median)
         spread.append(t.spread)
+    per_byte = 2.0 * peak_size**3 / (2.0 * src.numel() * 4)     # ridge = per_byte * t_copy / t_mm
+    mm_lo, mm_hi = _quartiles(sorted(peak.times))
+    cp_lo, cp_hi = _quartiles(sorted(copy.times))
     return {"sizes": sizes, "n": ns, "intensity": matmul_intensity(sizes, 4).tolist(),
             "flops": flops, "spread": spread,
             "peak_flops": 2.0 * peak_size**3 / peak.median,
-            "bandwidth": 2.0 * src.numel() * 4 / copy.median, "device": device.type,
+            "bandwidth": 2.0 * src.numel() * 4 / copy.median,
+            "ridge_range": (per_byte * cp_lo / mm_hi, per_byte * cp_hi / mm_lo),
+            "device": device.type,
             "threads": peak.threads, "reliable": all(t.reliable for t in timings)}
+
+
+def roofline_bound(intensity, ridge_range, margin: float = 2.0) -> list[str]:
+    """Which roof bounds each ``intensity`` (FLOPs per byte, > 0), read against a ridge known
+    only within ``ridge_range = (lo, hi)`` (``0 < lo <= hi``, e.g. ``measure_roofline``'s):
+    ``"memory"`` below ``lo / margin``, ``"compute"`` above ``hi * margin``, otherwise
+    ``"near the ridge"``. ``margin >= 1`` covers what one run's spread does not: on a busy
+    machine the ridge moves between runs, and a label should not flip with it (two runs
+    can only disagree between "memory" and "compute" if their ridges differ by ``margin**2``).
+    """
+    i = _real_array("intensity", intensity).reshape(-1)
+    if np.any(i <= 0):
+        raise ValueError(f"intensity must be > 0 (FLOPs per byte), got {intensity!r}")
+    if isinstance(ridge_range, (str, bytes)) or len(np.shape(ridge_range)) != 1 \
+            or len(ridge_range) != 2:
+        raise TypeError(f"ridge_range must be a pair (lo, hi), got {ridge_range!r}")
+    lo = check_float("ridge_range[0]", ridge_range[0], lo=0, lo_open=True)
+    hi = check_float("ridge_range[1]", ridge_range[1], lo=lo)
+    m = check_float("margin", margin, lo=1)
+    return ["memory" if x < lo / m else "compute" if x > hi * m else "near the ridge" for x in i]
 
 
 def bench(device: torch.device, quick: bool) -> list[Row]:

@@ -31,6 +31,7 @@ from parlearn.distributed.cost import (
     AlphaBeta,
     collective_time,
     fit_alpha_beta,
+    hierarchical_all_reduce_time,
     ring_bytes,
 )
 from parlearn.distributed.diagnosis import Call, diagnose
@@ -51,4 +52,4 @@ __all__ = ["run", "RankError", "device_for", "default_backend", "ledger", "Ledge
            "AlphaBeta", "KINDS", "ALGORITHMS", "collective_time", "fit_alpha_beta", "ring_bytes",
            "sweep_collective", "measure_alpha_beta", "measure_links", "DEFAULT_SIZES", "Card",
            "ring_vs_gloo", "other_load", "STUDY_SIZES", "Call", "diagnose", "read_records",
-           "recording"]
+           "recording", "hierarchical_all_reduce_time"]

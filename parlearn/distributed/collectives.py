@@ -35,8 +35,8 @@ from parlearn.distributed.traffic import ledger
 
 __all__ = ["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "hello", "rank_tensor",
            "ring_vs_torch", "ring_check", "ring_trace", "ring_ledger", "collectives_demo",
-           "plot_collectives", "time_collectives", "ring_vs_gloo_times", "TIMED_KINDS",
-           "REDUCING"]
+           "plot_collectives", "plot_hierarchical", "time_collectives", "ring_vs_gloo_times",
+           "TIMED_KINDS", "REDUCING"]
 
 
 def _sequence(name: str, value) -> list:
@@ -285,6 +285,48 @@ def plot_collectives(demo: list[dict], axes, kinds: tuple[str, ...] | None = Non
             ax.set_yticks(range(n), [f"rank {r}" for r in range(n)], fontsize=7)
             ax.set_xticks([])
             ax.set_title(f"{kind}: {when}", fontsize=8)
+
+
+def plot_hierarchical(axes, nodes: int = 2, gpus_per_node: int = 4) -> None:
+    """Draw the three phases of a hierarchical all-reduce (``cost.hierarchical_all_reduce_time``)
+    on three ``axes``: a ring reduce-scatter inside each node (blue arrows, fast links), the
+    all-reduce of each GPU's ``1/G`` share across nodes between GPUs of the same local index
+    (one colour per index, the network), and a ring all-gather inside each node. A diagram,
+    nothing is measured."""
+    import matplotlib.pyplot as plt
+
+    m = check_int("nodes", nodes, lo=2, hi=8)
+    g = check_int("gpus_per_node", gpus_per_node, lo=2, hi=8)
+    if len(axes) != 3:
+        raise ValueError(f"axes must hold 3 axes (one per phase), got {len(axes)}")
+    colours = plt.get_cmap("tab10")
+    titles = (f"1. reduce-scatter inside each node\n(each GPU keeps 1/{g} of its node's sum)",
+              f"2. all-reduce across nodes, per local index\n({g} rings of n/{g} bytes, "
+              "one per NIC)", "3. all-gather inside each node\n(every GPU gets all n bytes)")
+    for phase, (ax, title) in enumerate(zip(axes, titles, strict=True), start=1):
+        for node in range(m):
+            y = m - 1 - node
+            ax.add_patch(plt.Rectangle((-0.45, y - 0.3), g - 0.1, 0.6, fill=False, lw=0.8,
+                                       ec="gray"))
+            ax.text(-0.55, y, f"node {node}", ha="right", va="center", fontsize=7)
+            for j in range(g):
+                ax.plot(j, y, "o", ms=11, color=colours(j), zorder=3)
+                ax.text(j, y, str(node * g + j), ha="center", va="center", fontsize=6,
+                        color="white", zorder=4)
+                if phase != 2:      # ring inside the node: j -> j+1, the last one back to 0
+                    nxt = (j + 1) % g
+                    ax.annotate("", (nxt, y + (0.18 if nxt == 0 else 0)),
+                                (j, y + (0.18 if nxt == 0 else 0)),
+                                arrowprops=dict(arrowstyle="->", color="C0", lw=1,
+                                                connectionstyle="arc3,rad=0.35" if nxt == 0
+                                                else "arc3"))
+                elif node < m - 1:  # across nodes, same local index
+                    ax.annotate("", (j, y - 1 + 0.15), (j, y - 0.15),
+                                arrowprops=dict(arrowstyle="<->", color=colours(j), lw=1.2))
+        ax.set_xlim(-1.6, g)
+        ax.set_ylim(-0.6, m - 0.4)
+        ax.set_title(title, fontsize=8)
+        ax.axis("off")
 
 
 TIMED_KINDS = ("all_reduce", "ring_all_reduce", "send", "all_gather", "reduce_scatter",

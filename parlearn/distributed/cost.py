@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from parlearn.core.checks import check_choice, check_float, check_int
 
 __all__ = ["AlphaBeta", "KINDS", "ALGORITHMS", "collective_time", "ring_bytes",
-           "fit_alpha_beta"]
+           "fit_alpha_beta", "hierarchical_all_reduce_time"]
 
 ALGORITHMS = ("ring", "tree", "double_tree")
 # Each torch function name maps to the collective it performs.
@@ -139,6 +139,31 @@ def collective_time(kind: str, nbytes: float, world_size: int,
     link = _link_for(kind, model)
     steps, wire = _terms(kind, n, N, algorithm)
     return steps * link.alpha + wire * link.beta
+
+
+def hierarchical_all_reduce_time(nbytes: float, gpus_per_node: int, nodes: int,
+                                 intra: AlphaBeta, inter: AlphaBeta) -> dict:
+    """Modeled seconds of a two-level all-reduce of ``nbytes`` over ``nodes`` servers of
+    ``gpus_per_node`` GPUs (Jia et al. 2018, arXiv:1807.11205; Horovod's hierarchical
+    all-reduce): (1) a ring reduce-scatter inside each node over ``intra``, leaving each GPU
+    ``nbytes / G`` summed over its node; (2) ``G`` independent ring all-reduces of those
+    ``nbytes / G`` bytes across the ``nodes`` servers, one per local GPU index, each over
+    its own ``inter`` link (a NIC per GPU); (3) a ring all-gather inside each node. The
+    phases run one after the other (no pipelining between them)::
+
+        T = 2 [(G-1) a_in + (G-1)/G n b_in] + 2 (M-1) a_out + 2 (M-1)/M (n/G) b_out
+
+    Returns ``{"reduce_scatter", "all_reduce", "all_gather", "total"}`` in seconds."""
+    n = check_float("nbytes", nbytes, lo=0)
+    g = check_int("gpus_per_node", gpus_per_node, lo=1)
+    m = check_int("nodes", nodes, lo=1)
+    for name, link in (("intra", intra), ("inter", inter)):
+        if not isinstance(link, AlphaBeta):
+            raise TypeError(f"{name} must be an AlphaBeta, got {link!r}")
+    rs = collective_time("reduce_scatter", n, g, intra)
+    ar = collective_time("all_reduce", n / g, m, inter)
+    ag = collective_time("all_gather", n, g, intra)
+    return {"reduce_scatter": rs, "all_reduce": ar, "all_gather": ag, "total": rs + ar + ag}
 
 
 def _link_for(canon: str, model: AlphaBeta | Mapping[str, AlphaBeta]) -> AlphaBeta:

@@ -192,6 +192,14 @@ CASES = [
          ranges={"working_set": (1024, None), "peak_size": (1, None), "repeat": (1, None),
                  "threads": (1, None), "seed": (0, None)},
          bad={"sizes": [[], [0], [True], "12"], "device": ["tpu"]}, legal={"threads": [None]}),
+    Case("parlearn.core.basics.roofline_bound",
+         lambda: dict(intensity=[0.5, 3.0, 40.0], ridge_range=(2.0, 4.0), margin=2.0),
+         ranges={"margin": (1, None)},
+         bad={"intensity": [0.0, [1.0, -1.0], "1", [True]],
+              "ridge_range": [(0.0, 1.0), (3.0, 2.0), (1.0,), "ab", 3.0, (1.0, math.nan)]},
+         check=lambda r, kw: r == [
+             "memory" if x < 2.0 / kw["margin"] else "compute" if x > 4.0 * kw["margin"]
+             else "near the ridge" for x in kw["intensity"]]),
     Case("parlearn.core.overhead.fit_batching",
          lambda: dict(ns=[1, 4, 16], seconds=[2e-5, 2.6e-5, 5e-5]),
          bad={"ns": [[1, True, 4], [1, 0, 4], [4, 4, 4], [4], [1, 4], np.array([True, False])],
@@ -230,6 +238,12 @@ CASES = [
                       model=_ab(), algorithm="ring"),
          ranges={"nbytes": (0.0, None), "world_size": (1, None)},
          bad={"model": [{"send": 3}]}),
+    Case("parlearn.distributed.cost.hierarchical_all_reduce_time",
+         lambda: dict(nbytes=1e6, gpus_per_node=4, nodes=2, intra=_ab(), inter=_ab()),
+         ranges={"nbytes": (0.0, None), "gpus_per_node": (1, None), "nodes": (1, None)},
+         bad={"intra": [1e-9, None], "inter": [(1e-5, 1e-9)]},
+         check=lambda r, kw: math.isclose(r["total"], r["reduce_scatter"] + r["all_reduce"]
+                                          + r["all_gather"])),
     Case("parlearn.distributed.cost.fit_alpha_beta",
          lambda: dict(sizes=[1e3, 1e4, 1e5], times=[2e-5, 2e-5 + 9e-6, 2e-5 + 9.9e-5],
                       kind="send", world_size=2, algorithm="ring"),
@@ -351,6 +365,9 @@ COVERED_ELSEWHERE.update({
         "tests/core/test_widgets.py::test_optional_run_now_runs_at_once_and_raises",
     "parlearn.core.widgets.Predict": "tests/core/test_widgets.py::"
                                      "test_predict_refuses_what_it_cannot_show",
+    "parlearn.distributed.collectives.plot_hierarchical":
+        "tests/distributed/test_dist.py::"
+        "test_plot_hierarchical_draws_three_phases_and_refuses_bad_shapes",
     "parlearn.distributed.collectives.plot_collectives":
         "tests/distributed/test_dist.py::test_plot_collectives_draws_every_collective",
     "parlearn.distributed.collectives.ring_all_reduce":

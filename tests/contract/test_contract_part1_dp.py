@@ -284,5 +284,13 @@ COVERED_ELSEWHERE: dict[str, str] = {
         R_TEST + "test_compressed_all_reduce_refuses_on_every_rank",
     # its bucket is a GradBucket, which only DDP builds
     P + "data_parallel.compression.dettmers8_hook": R_TEST + "test_dettmers8_hook_refuses",
+    # launch ranks or draw on axes: refusals and a run in their own test file
+    P + "data_parallel.explorer.explorer_step":
+        "tests/multi_device/test_dp_explorer.py::test_explorer_step_refuses_before_launching",
+    P + "data_parallel.explorer.plot_explorer":
+        "tests/multi_device/test_dp_explorer.py::test_plot_explorer_refuses_other_results",
+    P + "data_parallel.explorer.cluster_timeline":
+        "tests/multi_device/test_dp_explorer.py::"
+        "test_cluster_timeline_draws_the_model_and_its_exposed_tail",
 }
 EXEMPT: dict[str, str] = {}

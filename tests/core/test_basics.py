@@ -191,3 +191,21 @@ def test_size_lists_refuse_a_bool_inside(fn, arg):
     f = getattr(basics, fn)
     with pytest.raises(TypeError, match=rf"{arg}\[0\] must be an int, got True"):
         f([True, 2], 4) if fn == "sweep_batching" else f([True, 2])
+
+
+def test_measure_roofline_ridge_range_brackets_the_median_ridge():
+    r = basics.measure_roofline([4], working_set=2**20, peak_size=64, repeat=3)
+    lo, hi = r["ridge_range"]
+    ridge = r["peak_flops"] / r["bandwidth"]
+    assert 0 < lo <= ridge * (1 + 1e-9) and ridge * (1 - 1e-9) <= hi
+
+
+def test_roofline_bound_labels_with_a_margin_so_two_runs_cannot_flip():
+    assert basics.roofline_bound([1.0, 3.0, 5.0, 12.0], (4.0, 5.0)) == [
+        "memory", "near the ridge", "near the ridge", "compute"]
+    assert basics.roofline_bound([3.0, 6.0], (4.0, 5.0), margin=1.0) == ["memory", "compute"]
+    # ridges 2 and 7.9 (less than margin**2 apart): a point can be "memory" in one run and
+    # "near the ridge" in the other, never "memory" in one and "compute" in the other
+    for x in np.geomspace(0.1, 100, 200):
+        a, b = basics.roofline_bound(x, (2.0, 2.0))[0], basics.roofline_bound(x, (7.9, 7.9))[0]
+        assert {a, b} != {"memory", "compute"}

@@ -482,6 +482,43 @@ def test_plot_collectives_draws_every_collective():
     plt.close(fig)
 
 
+def test_plot_hierarchical_draws_three_phases_and_refuses_bad_shapes():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3)
+    collectives.plot_hierarchical(axes, nodes=3, gpus_per_node=4)
+    assert [ax.get_title().split(".")[0] for ax in axes] == ["1", "2", "3"]
+    # ring arrows in phases 1 and 3 (G per node), G arrows between each pair of nodes in 2
+    arrows = [sum(1 for t in ax.texts if getattr(t, "arrow_patch", None) is not None)
+              for ax in axes]
+    assert arrows == [3 * 4, 2 * 4, 3 * 4]
+    for bad, err in (({"nodes": 1}, ValueError), ({"gpus_per_node": 2.0}, TypeError),
+                     ({"nodes": True}, TypeError)):
+        with pytest.raises(err, match=next(iter(bad))):
+            collectives.plot_hierarchical(axes, **bad)
+    with pytest.raises(ValueError, match="axes"):
+        collectives.plot_hierarchical(axes[:2])
+    plt.close(fig)
+
+
+def test_hierarchical_all_reduce_is_three_ring_phases():
+    from parlearn.distributed.cost import AlphaBeta, hierarchical_all_reduce_time
+    fast, slow = AlphaBeta(1e-6, 1 / 400e9), AlphaBeta(1e-5, 1 / 50e9)
+    n, g, m = 1e9, 8, 4
+    t = hierarchical_all_reduce_time(n, g, m, fast, slow)
+    assert t["reduce_scatter"] == pytest.approx(7 * 1e-6 + 7 / 8 * n / 400e9)
+    assert t["all_reduce"] == pytest.approx(2 * 3 * 1e-5 + 2 * 3 / 4 * (n / 8) / 50e9)
+    assert t["all_gather"] == pytest.approx(t["reduce_scatter"])
+    assert t["total"] == pytest.approx(sum(t[k] for k in ("reduce_scatter", "all_reduce",
+                                                           "all_gather")))
+    # one node: no network phase; one GPU per node: a flat ring over the network
+    assert hierarchical_all_reduce_time(n, g, 1, fast, slow)["all_reduce"] == 0
+    assert hierarchical_all_reduce_time(n, 1, m, fast, slow)["total"] == pytest.approx(
+        dist.collective_time("all_reduce", n, m, slow))
+
+
 def test_ring_receive_buffer_is_kept_between_calls_and_grows():
     from parlearn.distributed.collectives import _scratch
 

@@ -270,3 +270,25 @@ def test_measured_beside_simulated_shares_one_time_axis():
         pl.measured_beside_simulated([("rank 0", "F 0", 2.0, 1.0)], sim.events)
     with pytest.raises(TypeError, match="simulated"):
         pl.measured_beside_simulated(measured, [])
+
+
+def test_interleaved_rounds_depth_first_and_breadth_first():
+    from parlearn.multi_device.pipeline import zoo
+    P, M, v = 4, 8, 2
+    default = zoo.zoo_schedule("interleaved", P, M, v)
+    assert zoo.zoo_schedule("interleaved", P, M, v, group=P) == default      # Megatron's
+    bf = zoo.zoo_schedule("interleaved", P, M, v, group=M)
+    zoo.validate(bf)
+    # breadth-first: all M micro-batches through chunk 0, then chunk 1, on every rank
+    assert [op.chunk for op in bf[0] if op.kind == "F"] == [0] * M + [1] * M
+    assert all(1 + sum(a.chunk != b.chunk for a, b in zip(o, o[1:], strict=False)) == 2 * v - 1
+               for o in bf)
+    sims = [pl.simulate(s, 1, 2) for s in (default, bf)]
+    assert sims[0].bubble == pytest.approx(sims[1].bubble)
+    assert sims[1].peak_in_flight[0] > sims[0].peak_in_flight[0]
+    for kw, err in (({"group": 3}, ValueError), ({"group": 6}, ValueError),
+                    ({"group": 4.0}, TypeError)):
+        with pytest.raises(err, match="group"):
+            zoo.zoo_schedule("interleaved", P, M, v, **kw)
+    with pytest.raises(ValueError, match="group"):
+        zoo.zoo_schedule("zb-v", P, M, group=P)

@@ -14,6 +14,8 @@ module             what it holds
                    collective) and the emulated bandwidths either side of the crossover
 ``stragglers``     slow workers: order statistics of delays, backup workers (Chen et al.)
 ``workers``        lesson 11's measurements on real ranks and the bench rows
+``explorer``       lesson 11's explorer (measured step beside the model) and the modeled
+                   cluster timeline, drawn
 =================  =======================================================================
 
 The engines of ``ddp`` and the seeded :func:`parlearn.core.models.mlp` they train are

@@ -55,17 +55,22 @@ ZOO = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
 # ---------------------------------------------------------------------------------------
 # Interleaved 1F1B: the Megatron-LM order, built directly.
 
-def _interleaved(stages: int, m: int, v: int) -> Schedule:
+def _interleaved(stages: int, m: int, v: int, group: int | None = None) -> Schedule:
+    """Interleaved 1F1B with rounds of ``group`` micro-batches per chunk (Megatron's is
+    ``group = P``, *depth-first*; ``group = M`` runs every micro-batch through a chunk before
+    the next chunk, *breadth-first*, Lamy-Poirier 2023). Warm-up forwards of rank r:
+    ``2 (P - r - 1) + (v - 1) group``, as Megatron-core counts them."""
+    g = stages if group is None else group
     total = m * v
 
     def nth(k: int, backward: bool) -> tuple[int, int]:
-        # The k-th forward (backward) of a rank: groups of P micro-batches per chunk.
-        chunk = (k // stages) % v
-        return (k // (stages * v)) * stages + k % stages, (v - 1 - chunk if backward else chunk)
+        # The k-th forward (backward) of a rank: rounds of g micro-batches per chunk.
+        chunk = (k // g) % v
+        return (k // (g * v)) * g + k % g, (v - 1 - chunk if backward else chunk)
 
     orders = []
     for r in range(stages):
-        warm = min(2 * (stages - r - 1) + (v - 1) * stages if v > 1 else stages - r - 1, total)
+        warm = min(2 * (stages - r - 1) + (v - 1) * g if v > 1 else stages - r - 1, total)
         ops = [Op("F", *nth(k, False)) for k in range(warm)]
         for k in range(total - warm):
             ops += [Op("F", *nth(warm + k, False)), Op("B", *nth(k, True))]
@@ -267,15 +272,28 @@ def dualpipe_v_bubble(stages: int, t_f: float = 1.0, t_b: float = 1.0, t_w: floa
     return (p - 1) * (t_fb + t_b - 2 * t_w) / 2
 
 
-def zoo_schedule(kind: str, stages: int, micro_batches: int, v: int = 2) -> Schedule:
+def zoo_schedule(kind: str, stages: int, micro_batches: int, v: int = 2,
+                 group: int | None = None) -> Schedule:
     """The schedule ``kind`` (one of :data:`ZOO`) for ``stages`` ranks and ``micro_batches``
     micro-batches; ``v`` is the chunks per rank of ``"interleaved"`` (``v = 1`` is 1F1B).
-    ``"zb-h1"`` is :func:`schedule` ``("zb", ...)``. Refuses an ``"interleaved"`` M that is
-    not a multiple of P."""
+    ``group`` (``"interleaved"`` only, default P) is how many micro-batches go through a
+    chunk before the rank moves to its next chunk: P is Megatron's depth-first order, M the
+    breadth-first one (Lamy-Poirier 2023); Llama 3 tunes it. ``"zb-h1"`` is :func:`schedule`
+    ``("zb", ...)``. Refuses an ``"interleaved"`` M that is not a multiple of the group, and
+    a group below P."""
     check_choice("kind", kind, ZOO)
     stages = check_int("stages", stages, lo=1)
     m = check_int("micro_batches", micro_batches, lo=1)
     v = check_int("v", v, lo=1)
+    if group is not None:
+        if kind != "interleaved":
+            raise ValueError(f"group is for kind 'interleaved' only, got kind {kind!r}")
+        group = check_int("group", group, lo=1)
+        if group < stages:
+            raise ValueError(f"group must be >= stages={stages} (a round holds at least P "
+                             f"micro-batches), got {group}")
+        if m % group:
+            raise ValueError(f"micro_batches must be a multiple of group={group}, got {m}")
     if kind in ("gpipe", "1f1b"):
         return schedule(kind, stages, m)
     if kind == "zb-h1":
@@ -286,7 +304,7 @@ def zoo_schedule(kind: str, stages: int, micro_batches: int, v: int = 2) -> Sche
         if v > 1 and m % stages:
             raise ValueError(f"micro_batches must be a multiple of stages={stages} for "
                              f"interleaved 1F1B with v={v} (groups of P), got {m}")
-        return _interleaved(stages, m, v)
+        return _interleaved(stages, m, v, group)
     if kind == "zb-h2":
         return _greedy(stages, m, 1, "loop", [2 * stages - 1] * stages, "zb-h2")
     return _zb_v(stages, m)
