@@ -96,9 +96,10 @@ CASES: list[Case] = [
                               == kw["batch"])),
     Case(P + "mesh.grading.grade",
          lambda: dict(cfg=_cfg(), card=_card(), world=2, batch=4, seq=8, top=1, steps=2,
-                      progress=False, timeout=60.0),
+                      worst_steps=2, progress=False, timeout=60.0),
          ranges={"world": (1, None), "batch": (1, None), "seq": (1, None), "top": (1, None),
-                 "steps": (2, None)},
+                 "steps": (2, None), "worst_steps": (2, None)},
+         legal={"worst_steps": [None]},
          bad={"cfg": NOT_A_CFG, "card": ["h100", 3], "timeout": [0.0, -1.0]},
          run_good=False),   # starts rank processes
     Case(P + "mesh.explore.best_meshes",

@@ -296,13 +296,28 @@ def test_kendall_tau():
         kendall_tau([1], [1])
 
 
-def test_grading_report_is_complete():
-    """FAST grading on a tiny space: every field present and finite (no timing claims)."""
+def test_grading_report_is_complete(monkeypatch):
+    """FAST grading on a tiny space: every field present and finite (no timing claims), all
+    picks run in one launch of the ranks, each with the memory measure_plan measures."""
     import math
 
-    from parlearn.multi_device.mesh.grading import grade
+    import parlearn.distributed as pdist
+    from parlearn.multi_device.mesh.grading import grade, measure_plan
 
-    rep = grade(CFG, _fake_card(), world=2, batch=4, seq=8, top=2, steps=2, progress=False)
+    launches, real_run = [], pdist.run
+
+    def counting_run(*args, **kwargs):
+        launches.append(args[0])
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(pdist, "run", counting_run)
+    rep = grade(CFG, _fake_card(), world=2, batch=4, seq=8, top=2, steps=3, worst_steps=2,
+                progress=False)
+    assert len(launches) == 1
+    assert rep["rows"][-1]["spread"] == 0.0   # the worst plan: one timed step
+    monkeypatch.setattr(pdist, "run", real_run)
+    alone = measure_plan(CFG, rep["rows"][0]["prediction"], 4, 8, steps=2)
+    assert alone["memory"] == rep["rows"][0]["measured_bytes"]
     assert len(rep["rows"]) == 3 and rep["rows"][-1]["pick"] == "worst"
     meshes = [r["plan"].split(" cp")[0] for r in rep["rows"][:-1]]
     assert len(set(meshes)) == len(meshes)  # the top picks are distinct meshes
