@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from parlearn.transformer import GPTConfig
 
 from parlearn.core.recipe import Recipe
@@ -23,6 +24,33 @@ def test_composed_equals_one_process(dims):
     res = mesh_check(CFG, shape, steps=3, batch=8, seq=16, micro_batches=2)
     assert res["loss"] < TOL and res["params"] < TOL
     assert res["replicas"] == 0.0  # dp replicas hold bit-identical shards
+
+
+def test_mesh_checks_is_mesh_check_per_shape_in_one_launch(monkeypatch):
+    # Lesson 19's meshes in one launch of the ranks: each result equals mesh_check's.
+    import parlearn.distributed as pdist
+    from parlearn.multi_device.mesh import mesh_checks
+
+    launches, real_run = [], pdist.run
+
+    def counting_run(*args, **kwargs):
+        launches.append(args[0])
+        return real_run(*args, **kwargs)
+
+    shapes = [MeshShape(2, 1, 2), MeshShape(1, 2, 2)]
+    monkeypatch.setattr(pdist, "run", counting_run)
+    got = mesh_checks(CFG, shapes, steps=2, batch=8, seq=16, micro_batches=2)
+    assert len(launches) == 1
+    monkeypatch.setattr(pdist, "run", real_run)
+    for shape, res in zip(shapes, got, strict=True):
+        alone = mesh_check(CFG, shape, steps=2, batch=8, seq=16, micro_batches=2)
+        assert res["loss"] < TOL and res["params"] < TOL and res["replicas"] == 0.0
+        for a, b in zip(res["results"], alone["results"], strict=True):
+            assert a["loss"] == b["loss"]
+            for name, p in a["params"].items():
+                assert torch.equal(p, b["params"][name]), name
+    with pytest.raises(ValueError, match=r"shapes\[1\]"):
+        mesh_checks(CFG, [MeshShape(2, 1, 2), MeshShape(2, 2, 2)], steps=1, batch=8, seq=16)
 
 
 @pytest.mark.parametrize("variant", [
