@@ -396,3 +396,28 @@ def test_draw_probe_draws_the_plan_the_ranks_run():
     plt.close(fig)
     with pytest.raises(ValueError, match="world_size"):
         bt.draw_probe(None, 3)
+
+
+def test_batch_sweep_caps_runs_without_changing_a_row():
+    # Each run stops at the best step count so far: the rows equal the uncapped grid's (every
+    # rate to the end, fewest steps, first rate on a tie), for fewer steps trained.
+    from parlearn.multi_device.batching.training import samples_to_target
+
+    task = bt.DigitsTask(datasets.digits(), seed=0)
+    net = models.mlp([64, 16, 10], seed=0)
+    batches, lrs, target, steps = [8, 32], [0.1, 0.8, 0.4], 1.8, 40
+    sweep = bt.batch_sweep(net, task, batches, lrs, target, steps=steps)
+    uncapped = 0
+    for b, row in zip(batches, sweep["rows"], strict=True):
+        best = None
+        for lr in lrs:
+            h = bt.train(copy.deepcopy(net), task, method="fixed", batch=b, lr=lr, steps=steps,
+                         target_loss=target, max_batch=b)
+            uncapped += h.steps
+            hit = samples_to_target(h, target)
+            if hit is not None and (best is None or hit[0] < best[1]):
+                best = (lr, *hit)
+        assert best is not None
+        assert (row["lr"], row["steps"], row["samples"]) == best
+    assert sweep["trained_steps"] < uncapped
+    assert sweep["full_steps"] == steps * len(batches) * len(lrs)

@@ -238,6 +238,27 @@ def test_gpt_trained_with_cp_equals_one_process_step_by_step(scheme, layout):
             assert torch.allclose(r["params"][name], p, atol=1e-10, rtol=0), name
 
 
+def test_cp_train_runs_is_each_run_in_one_launch_equal_to_one_process():
+    # Lesson 17's three trainings in one launch of the ranks: each equals cp_train and the
+    # one-process run, and a bad run is refused before the first one starts.
+    from parlearn import transformer
+
+    cfg = transformer.GPTConfig(d_model=16, n_heads=4, n_layers=2, max_seq=16)
+    ref = cp.serial_train(cfg, steps=2, batch=2, seq=13)
+    runs = [("ring", "zigzag"), ("ulysses", "contiguous"), ("allgather", "zigzag")]
+    out = cp.cp_train_runs(cfg, 2, runs=runs, steps=2, batch=2, seq=13)
+    assert len(out) == len(runs)
+    for ranks in out:
+        assert len(ranks) == 2
+        for r in ranks:
+            assert r["loss"] == pytest.approx(ref["loss"], abs=1e-12, rel=0)
+            for name, p in ref["params"].items():
+                assert torch.allclose(r["params"][name], p, atol=1e-10, rtol=0), name
+    with pytest.raises(ValueError, match=r"runs\[1\]"):
+        cp.cp_train_runs(cfg, 2, runs=[("ring", "zigzag"), ("spiral", "zigzag")], steps=1,
+                         batch=1, seq=8)
+
+
 # ---------------------------------------------------------------------------------------
 # Megatron sequence parallelism
 

@@ -278,9 +278,11 @@ def test_layers_need_a_process_group():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_lesson_check_equals_full_layers_and_shows_the_summing_gather(world):
-    """megatron_layers_check (lesson 14): every layer equal to the full one; SP's summing
-    gather in place of Megatron's splitting one makes the weight gradient N times too large."""
+    """megatron_layers_check (lesson 14): every layer, and causal attention split by heads,
+    equal to the full one; SP's summing gather in place of Megatron's splitting one makes the
+    weight gradient N times too large."""
     res = tp.megatron_layers_check(world)
+    assert "attention, heads split" in res
     for layer, err in res.items():
         if layer != "wrong_ratio":
             assert err < 1e-12, (layer, err)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from parlearn.transformer import GPTConfig
 
 from parlearn.core.recipe import Recipe
@@ -23,6 +24,33 @@ def test_composed_equals_one_process(dims):
     res = mesh_check(CFG, shape, steps=3, batch=8, seq=16, micro_batches=2)
     assert res["loss"] < TOL and res["params"] < TOL
     assert res["replicas"] == 0.0  # dp replicas hold bit-identical shards
+
+
+def test_mesh_checks_is_mesh_check_per_shape_in_one_launch(monkeypatch):
+    # Lesson 19's meshes in one launch of the ranks: each result equals mesh_check's.
+    import parlearn.distributed as pdist
+    from parlearn.multi_device.mesh import mesh_checks
+
+    launches, real_run = [], pdist.run
+
+    def counting_run(*args, **kwargs):
+        launches.append(args[0])
+        return real_run(*args, **kwargs)
+
+    shapes = [MeshShape(2, 1, 2), MeshShape(1, 2, 2)]
+    monkeypatch.setattr(pdist, "run", counting_run)
+    got = mesh_checks(CFG, shapes, steps=2, batch=8, seq=16, micro_batches=2)
+    assert len(launches) == 1
+    monkeypatch.setattr(pdist, "run", real_run)
+    for shape, res in zip(shapes, got, strict=True):
+        alone = mesh_check(CFG, shape, steps=2, batch=8, seq=16, micro_batches=2)
+        assert res["loss"] < TOL and res["params"] < TOL and res["replicas"] == 0.0
+        for a, b in zip(res["results"], alone["results"], strict=True):
+            assert a["loss"] == b["loss"]
+            for name, p in a["params"].items():
+                assert torch.equal(p, b["params"][name]), name
+    with pytest.raises(ValueError, match=r"shapes\[1\]"):
+        mesh_checks(CFG, [MeshShape(2, 1, 2), MeshShape(2, 2, 2)], steps=1, batch=8, seq=16)
 
 
 @pytest.mark.parametrize("variant", [
@@ -296,13 +324,28 @@ def test_kendall_tau():
         kendall_tau([1], [1])
 
 
-def test_grading_report_is_complete():
-    """FAST grading on a tiny space: every field present and finite (no timing claims)."""
+def test_grading_report_is_complete(monkeypatch):
+    """FAST grading on a tiny space: every field present and finite (no timing claims), all
+    picks run in one launch of the ranks, each with the memory measure_plan measures."""
     import math
 
-    from parlearn.multi_device.mesh.grading import grade
+    import parlearn.distributed as pdist
+    from parlearn.multi_device.mesh.grading import grade, measure_plan
 
-    rep = grade(CFG, _fake_card(), world=2, batch=4, seq=8, top=2, steps=2, progress=False)
+    launches, real_run = [], pdist.run
+
+    def counting_run(*args, **kwargs):
+        launches.append(args[0])
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(pdist, "run", counting_run)
+    rep = grade(CFG, _fake_card(), world=2, batch=4, seq=8, top=2, steps=3, worst_steps=2,
+                progress=False)
+    assert len(launches) == 1
+    assert rep["rows"][-1]["spread"] == 0.0   # the worst plan: one timed step
+    monkeypatch.setattr(pdist, "run", real_run)
+    alone = measure_plan(CFG, rep["rows"][0]["prediction"], 4, 8, steps=2)
+    assert alone["memory"] == rep["rows"][0]["measured_bytes"]
     assert len(rep["rows"]) == 3 and rep["rows"][-1]["pick"] == "worst"
     meshes = [r["plan"].split(" cp")[0] for r in rep["rows"][:-1]]
     assert len(set(meshes)) == len(meshes)  # the top picks are distinct meshes

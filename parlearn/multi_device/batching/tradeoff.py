@@ -40,7 +40,11 @@ def batch_sweep(model: nn.Module, task, batches: Sequence[int], lrs: Sequence[fl
     each at its best learning rate of ``lrs`` (fewest steps), and the fit of
     ``S = S_min (1 + B_crit / B)`` to them (:func:`critical_batch_fit`). A batch that no
     rate brings to the target within ``steps`` is reported with ``steps=None`` and left
-    out of the fit. ``progress(fraction, text)`` is called after each batch."""
+    out of the fit. ``progress(fraction, text)`` is called after each batch.
+
+    Each run stops at the best step count found so far for its batch, which changes no row
+    (the draws depend only on the step). ``"trained_steps"`` counts the steps trained,
+    ``"full_steps"`` the ``steps x len(batches) x len(lrs)`` an uncapped grid would bound."""
     import copy
 
     check_module("model", model)
@@ -59,22 +63,33 @@ def batch_sweep(model: nn.Module, task, batches: Sequence[int], lrs: Sequence[fl
     target_loss = check_float("target_loss", target_loss)
     if progress is not None:
         check_callable("progress", progress)
-    rows = []
+    rows, trained, prev = [], 0, None
     for i, b in enumerate(batches):
+        # Fewest steps wins, so a rate need not run past the best one's count: each run is
+        # capped there (the draws depend only on the step, so a capped run is the same run
+        # cut short). The previous batch's best rate goes first, to make the cap tight early.
+        # The rows equal the uncapped sweep's (ties keep the earlier rate in ``lrs``).
+        order = sorted(range(len(lrs)), key=lambda j: (lrs[j] != prev, j))
         best = None
-        for lr in lrs:
-            h = train(copy.deepcopy(model), task, method="fixed", batch=b, lr=lr, steps=steps,
+        for j in order:
+            lr = lrs[j]
+            cap = steps if best is None else max(1, min(steps, best[1]))
+            h = train(copy.deepcopy(model), task, method="fixed", batch=b, lr=lr, steps=cap,
                       target_loss=target_loss, max_batch=b)
+            trained += h.steps
             hit = samples_to_target(h, target_loss)
-            if hit is not None and (best is None or hit[0] < best[1]):
-                best = (lr, *hit)
+            if hit is not None and (best is None or hit[0] < best[1]
+                                    or (hit[0] == best[1] and j < best[3])):
+                best = (lr, *hit, j)
+        prev = best[0] if best else None
         rows.append({"batch": b, "lr": best[0] if best else None,
                      "steps": best[1] if best else None, "samples": best[2] if best else None})
         if progress is not None:
             progress((i + 1) / len(batches), f"batch {b}")
     ok = [r for r in rows if r["steps"] is not None]
     fit = critical_batch_fit([r["batch"] for r in ok], [r["steps"] for r in ok])
-    return {"rows": rows, "fit": fit, "target_loss": target_loss}
+    return {"rows": rows, "fit": fit, "target_loss": target_loss, "trained_steps": trained,
+            "full_steps": steps * len(batches) * len(lrs)}
 
 
 def tradeoff_model(b_noise: Sequence[float], *, batch: float | None = None,

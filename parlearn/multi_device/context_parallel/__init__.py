@@ -40,6 +40,8 @@ from parlearn.multi_device.context_parallel.diagrams import draw_ring, draw_ulys
 from parlearn.multi_device.context_parallel.gpt import (
     cp_forward,
     cp_train,
+    cp_train_runs,
+    cp_train_runs_worker,
     cp_train_worker,
     serial_train,
 )
@@ -76,4 +78,5 @@ __all__ = ["LAYOUTS", "shard_chunks", "shard_index", "full_attention", "block_at
            "layout_timing_worker", "saved_bytes",
            "COST_SCHEMES", "scheme_cost", "attention_memory", "hiding_shard",
            "timeline_summary", "draw_ring", "draw_ulysses", "draw_zigzag", "cp_forward",
-           "serial_train", "cp_train", "cp_train_worker", "torch_cp_worker"]
+           "serial_train", "cp_train", "cp_train_worker",
+           "cp_train_runs", "cp_train_runs_worker", "torch_cp_worker"]

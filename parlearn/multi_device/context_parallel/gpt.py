@@ -31,7 +31,8 @@ from parlearn.multi_device.context_parallel.ulysses import ulysses_attention
 from parlearn.multi_device.transformer.corpus import get_batch, pydoc_corpus
 from parlearn.multi_device.transformer.model import GPT, GPTConfig, _rotate_half
 
-__all__ = ["cp_forward", "train_batches", "serial_train", "cp_train", "cp_train_worker"]
+__all__ = ["cp_forward", "train_batches", "serial_train", "cp_train", "cp_train_worker",
+           "cp_train_runs", "cp_train_runs_worker"]
 
 _ATTENTION = {"ring": ring_attention, "ulysses": ulysses_attention,
               "allgather": allgather_attention}
@@ -215,3 +216,48 @@ def cp_train(cfg: GPTConfig, world_size: int = 2, *, steps: int = 3, batch: int 
     timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     return run(cp_train_worker, world_size, timeout=timeout,
                args=(cfg, steps, batch, seq, lr, seed, layout, scheme))
+
+
+def _check_runs(runs) -> list[tuple[str, str]]:
+    """``runs``: a non-empty list of ``(scheme, layout)`` pairs, each one :func:`cp_train`
+    can run; the checked pairs."""
+    if not isinstance(runs, list | tuple) or not runs:
+        raise TypeError(f"runs must be a non-empty list of (scheme, layout) pairs, got {runs!r}")
+    out = []
+    for i, pair in enumerate(runs):
+        if not isinstance(pair, list | tuple) or len(pair) != 2:
+            raise TypeError(f"runs[{i}] must be a (scheme, layout) pair, got {pair!r}")
+        out.append((check_choice(f"runs[{i}] scheme", pair[0], tuple(_ATTENTION)),
+                    check_choice(f"runs[{i}] layout", pair[1], LAYOUTS)))
+    return out
+
+
+def cp_train_runs_worker(rank: int, world_size: int, cfg: GPTConfig, steps: int, batch: int,
+                         seq: int, lr: float, seed: int, runs: list) -> list[dict]:
+    """Worker: :func:`cp_train_worker` once per ``(scheme, layout)`` of ``runs``, one after
+    the other in one launch (each from a fresh model; starting the ranks costs seconds).
+    Every run is checked before the first one starts. One dict per run."""
+    runs = _check_runs(runs)
+    world_size = check_int("world_size", world_size, lo=1)
+    check_int("rank", rank, lo=0, hi=world_size - 1)
+    _check_train_args(cfg, steps, batch, seq, lr, seed, runs[0][1], runs[0][0])
+    return [cp_train_worker(rank, world_size, cfg, steps, batch, seq, lr, seed, layout, scheme)
+            for scheme, layout in runs]
+
+
+def cp_train_runs(cfg: GPTConfig, world_size: int = 2, *, runs: list, steps: int = 3,
+                  batch: int = 2, seq: int = 16, lr: float = 1e-2, seed: int = 0,
+                  timeout: float = 60) -> list[list[dict]]:
+    """:func:`cp_train` for each ``(scheme, layout)`` of ``runs`` in one launch of the ranks:
+    ``result[i]`` is what ``cp_train(..., scheme=runs[i][0], layout=runs[i][1])`` returns
+    (one dict per rank)."""
+    from parlearn.distributed import run
+
+    runs = _check_runs(runs)
+    world_size = check_int("world_size", world_size, lo=2)
+    cfg, steps, batch, seq, lr, seed = _check_train_args(cfg, steps, batch, seq, lr, seed,
+                                                         runs[0][1], runs[0][0])
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
+    ranks = run(cp_train_runs_worker, world_size, timeout=timeout,
+                args=(cfg, steps, batch, seq, lr, seed, runs))
+    return [[r[i] for r in ranks] for i in range(len(runs))]

@@ -11,6 +11,7 @@ module              what it holds
                     (torchtitan's order) on a ``dp x tp`` mesh
 ``planner``         plans ``(dp, tp, pp, cp, zero, recompute, micro-batch)``, their modeled
                     memory and step time on a cluster of hardware cards, the ranking
+``checks``          several meshes checked against one process in one launch of the ranks
 ``grading``         the planner's picks run for real on this machine: Kendall tau, memory
                     error
 ``explore``         the planner's explorer: the best meshes' modeled time, MFU and memory
@@ -20,6 +21,7 @@ module              what it holds
 The hardware card the planner reads is :mod:`parlearn.card` (``parlearn.distributed.card``).
 """
 
+from parlearn.multi_device.mesh.checks import mesh_checks, mesh_checks_worker
 from parlearn.multi_device.mesh.composed import (
     MeshRank,
     assemble,
@@ -31,4 +33,4 @@ from parlearn.multi_device.mesh.layout import AXES, MeshShape, draw_mesh
 from parlearn.multi_device.mesh.stage import StageGPT, check_plan
 
 __all__ = ["AXES", "MeshShape", "draw_mesh", "StageGPT", "MeshRank", "check_plan", "mesh_train",
-           "mesh_train_worker", "assemble", "mesh_check"]
+           "mesh_train_worker", "assemble", "mesh_check", "mesh_checks", "mesh_checks_worker"]

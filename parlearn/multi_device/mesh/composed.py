@@ -474,7 +474,13 @@ def mesh_check(cfg: GPTConfig, shape: MeshShape, *, steps: int = 3, batch: int =
     difference| (with a recipe, else None), "results": the ranks' dicts}``."""
     same = dict(steps=steps, batch=batch, seq=seq, lr=lr, seed=seed)  # both runs see these
     results = mesh_train(cfg, shape, **same, **kwargs)
-    recipe = kwargs.get("recipe")
+    return _against_serial(cfg, shape, results, same, kwargs.get("recipe"))
+
+
+def _against_serial(cfg: GPTConfig, shape: MeshShape, results: list[dict], same: dict,
+                   recipe: Recipe | None) -> dict:
+    """:func:`mesh_check`'s comparison of the ranks' ``results`` with one process trained
+    on ``same`` (steps, batch, seq, lr, seed) and ``recipe``."""
     ref = serial_train(cfg, **same, optimizer="adam" if recipe is None else "adamw",
                        recipe=recipe)
     got = assemble(results, shape)

@@ -20,7 +20,7 @@ import statistics
 from collections.abc import Sequence
 
 from parlearn.core.checks import check_bool, check_float, check_int
-from parlearn.multi_device.mesh.composed import mesh_train
+from parlearn.multi_device.mesh.composed import mesh_train, mesh_train_worker
 from parlearn.multi_device.mesh.layout import MeshShape
 from parlearn.multi_device.mesh.planner import Cluster, Prediction, TinyGPT, rank_plans
 from parlearn.multi_device.transformer.model import GPTConfig
@@ -81,6 +81,11 @@ def measure_plan(cfg: GPTConfig, pred: Prediction, batch: int, seq: int, steps: 
     check_int("steps", steps, lo=2)
     res = mesh_train(cfg, shape, steps=steps, batch=batch, seq=seq, micro_batches=micro_batches,
                      zero=pred.plan.zero, recompute=pred.plan.recompute, timeout=timeout)
+    return _summarise(res, steps)
+
+
+def _summarise(res: list[dict], steps: int) -> dict:
+    """One plan's ranks' results: ``{"step_s", "memory", "spread"}`` (:func:`measure_plan`)."""
     slowest = [max(r["step_s"][i] for r in res) for i in range(1, steps)]
     med = statistics.median(slowest)
     memory = max(r["held"]["params"] + r["held"]["grads"] + r["held"]["optimizer"]
@@ -89,8 +94,22 @@ def measure_plan(cfg: GPTConfig, pred: Prediction, batch: int, seq: int, steps: 
             "spread": (max(slowest) - min(slowest)) / med if med else 0.0}
 
 
+def _plans_worker(rank: int, world_size: int, cfg: GPTConfig, runs: list, batch: int,
+                  seq: int) -> list[dict]:
+    """Worker: :func:`mesh_train_worker` for each ``(shape, micro_batches, zero, recompute,
+    steps)`` of ``runs``, one after the other in one launch; per run only what
+    :func:`_summarise` reads (step times, held bytes, activation peak)."""
+    out = []
+    for shape, micro, zero, recompute, steps in runs:
+        r = mesh_train_worker(rank, world_size, cfg, shape, steps, batch, seq, micro, 1e-2, 0,
+                              True, zero, recompute, "1f1b")
+        out.append({"step_s": r["step_s"], "held": r["held"], "act_peak": r["act_peak"]})
+    return out
+
+
 def grade(cfg: GPTConfig, card, *, world: int = 4, batch: int = 8, seq: int = 16,
-          top: int = 3, steps: int = 4, progress: bool = True, timeout: float = 120) -> dict:
+          top: int = 3, steps: int = 4, worst_steps: int | None = None, progress: bool = True,
+          timeout: float = 120) -> dict:
     """Rank the tiny GPT's plans on ``world`` ranks with ``card`` (its ``flops`` measured
     with one thread: each rank runs one), run the best plan of each of the top ``top``
     meshes and the worst plan, and compare.
@@ -98,12 +117,12 @@ def grade(cfg: GPTConfig, card, *, world: int = 4, batch: int = 8, seq: int = 16
     has the plan, predicted and measured step time and memory, the prediction's parts (and
     the :class:`Prediction` itself, ``"prediction"``), and the measured run's MFU: model
     FLOPs ``3 F`` per step over the step time and the cores' rate (the card's one-thread
-    matmul rate times the cores the ranks share)."""
-    from tqdm.auto import tqdm
-
+    matmul rate times the cores the ranks share). ``worst_steps`` (default ``steps``, at
+    least 2) runs the worst plan, far the slowest, for fewer steps."""
     world = check_int("world", world, lo=1)
     top = check_int("top", top, lo=1)
     steps = check_int("steps", steps, lo=2)
+    worst_steps = steps if worst_steps is None else check_int("worst_steps", worst_steps, lo=2)
     for name, v in (("batch", batch), ("seq", seq)):
         check_int(name, v, lo=1)
     check_bool("progress", progress)
@@ -125,10 +144,19 @@ def grade(cfg: GPTConfig, card, *, world: int = 4, batch: int = 8, seq: int = 16
         picks.append(ranked[-1])
     # MFU's denominator: each core at the card's (one-thread) matmul rate.
     peak = card.flops[work.dtype] * min(world, cores)
+    # All picks in one launch of the ranks (starting them costs seconds each time), in turn;
+    # each plan's first step, which warms up, is left out of its median as in measure_plan.
+    from parlearn.distributed import run
+
+    runs = [(*plan_mesh(p, batch), p.plan.zero, p.plan.recompute,
+             worst_steps if p is ranked[-1] else steps) for p in picks]
+    if progress:
+        print(f"running the planner's {len(picks)} picks on {world} ranks, one launch")
+    res = run(_plans_worker, world, backend="gloo", timeout=timeout,
+              args=(cfg, runs, batch, seq))
     rows = []
-    for i, pred in enumerate(tqdm(picks, desc="running the planner's picks",
-                                  disable=not progress)):
-        got = measure_plan(cfg, pred, batch, seq, steps, timeout)
+    for i, pred in enumerate(picks):
+        got = _summarise([r[i] for r in res], runs[i][-1])
         rows.append({"plan": str(pred.plan), "predicted rank": ranked.index(pred) + 1,
                      "pick": "worst" if pred is ranked[-1] else f"top {i + 1}",
                      "predicted_s": pred.step_s, "measured_s": got["step_s"],

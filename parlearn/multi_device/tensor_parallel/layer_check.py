@@ -20,6 +20,7 @@ from parlearn.core.checks import check_float, check_int
 __all__ = ["megatron_layers_check", "megatron_layers_worker"]
 
 IN, OUT, BATCH, VOCAB = 8, 12, 6, 16
+HEADS, SEQ = 4, 3   # the attention check: IN = HEADS x 2 features, BATCH // 2 sequences
 
 
 class _GatherSumBackward(torch.autograd.Function):
@@ -44,6 +45,42 @@ class _GatherSumBackward(torch.autograd.Function):
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach() - b.detach()).abs().max())
+
+
+def _attention(x: torch.Tensor, q, k, v, o, heads: int) -> torch.Tensor:
+    """Causal self-attention of ``x`` ``(b, s, d)`` with ``heads`` heads of ``q``, ``k``,
+    ``v``'s outputs, then ``o``: the same code for the full layer and a rank's shard."""
+    b, s, _ = x.shape
+    q_, k_, v_ = (lin(x).view(b, s, heads, -1).transpose(1, 2) for lin in (q, k, v))
+    y = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True)
+    return o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def _attention_check(rank: int, world_size: int, seed: int, g: torch.Generator) -> float:
+    """Max |difference| between the head-split attention layer and the full one: output,
+    ``dx`` and every weight and bias gradient (this rank's slice of the full gradient)."""
+    from parlearn.multi_device.tensor_parallel import layers as L
+
+    f64 = torch.float64
+    x = torch.randn(BATCH // 2, SEQ, IN, generator=g, dtype=f64)
+    probe = torch.randn(BATCH // 2, SEQ, IN, generator=g, dtype=f64)
+    seeds = [seed + 10 + i for i in range(4)]
+    full = [L.serial_linear(IN, IN, seed=s, dtype=f64) for s in seeds]
+    xf = x.clone().requires_grad_()
+    yf = _attention(xf, *full, heads=HEADS)
+    (yf * probe).sum().backward()
+    part = [L.MegatronColumnParallelLinear(IN, IN, seed=s, dtype=f64) for s in seeds[:3]]
+    part.append(L.MegatronRowParallelLinear(IN, IN, input_is_parallel=True, seed=seeds[3],
+                                            dtype=f64))
+    xs = x.clone().requires_grad_()
+    ys = _attention(xs, *part, heads=HEADS // world_size)
+    (ys * probe).sum().backward()
+    cols = slice(rank * IN // world_size, (rank + 1) * IN // world_size)
+    errs = [_err(ys, yf), _err(xs.grad, xf.grad), _err(part[3].weight.grad,
+            full[3].weight.grad[:, cols]), _err(part[3].bias.grad, full[3].bias.grad)]
+    for p, f in zip(part[:3], full[:3], strict=True):
+        errs += [_err(p.weight.grad, f.weight.grad[cols]), _err(p.bias.grad, f.bias.grad[cols])]
+    return max(errs)
 
 
 def megatron_layers_worker(rank: int, world_size: int, seed: int) -> dict:
@@ -108,6 +145,7 @@ def megatron_layers_worker(rank: int, world_size: int, seed: int) -> dict:
                                           _err(emb.weight.grad, emb_full.weight.grad[cols]))
     out["vocab-parallel cross-entropy"] = max(_err(loss, F.cross_entropy(logits, ids)),
                                               _err(ls.grad, lf.grad[:, cols]))
+    out["attention, heads split"] = _attention_check(rank, world_size, seed, g)
     return out
 
 
@@ -118,9 +156,9 @@ def megatron_layers_check(world_size: int = 2, *, seed: int = 0, timeout: float 
     from parlearn.distributed import run
 
     world_size = check_int("world_size", world_size, lo=1)
-    if OUT % world_size or VOCAB % world_size:
-        raise ValueError(f"world_size={world_size} must divide {OUT} features and {VOCAB} "
-                         "vocabulary entries: use 1, 2 or 4")
+    if OUT % world_size or VOCAB % world_size or HEADS % world_size:
+        raise ValueError(f"world_size={world_size} must divide {OUT} features, {HEADS} heads "
+                         f"and {VOCAB} vocabulary entries: use 1, 2 or 4")
     check_int("seed", seed, lo=0)
     check_float("timeout", timeout, lo=0, lo_open=True)
     ranks = run(megatron_layers_worker, world_size, backend="gloo", timeout=timeout,
