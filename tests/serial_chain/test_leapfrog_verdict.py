@@ -71,6 +71,8 @@ def test_otherwise_the_verdict_says_it_cannot_explain():
     assert r["timeline_speedup"] == pytest.approx(2.0)
     assert r["why"].startswith("not explained by these timelines")
     assert "overhead" not in r["why"]
+    # a ratio of times, said as one: "kept its speed (0.7x)" read as slower
+    assert "the chain's steps took 1.0x as long as in the serial run" in r["why"]
 
 
 def test_a_stretched_tail_counts_although_the_median_step_kept_its_speed():

@@ -114,8 +114,9 @@ def shortfall(serial_events: list, leapfrog_events: list, *, measured: float,
         why = (f"the helper got little core time ({machine}): the chain worker computed "
                f"{own:.0%} of the weight gradients itself")
     else:
-        why = (f"not explained by these timelines ({machine}): the chain kept its speed "
-               f"({stretch:.1f}x), the helper computed {1 - own:.0%} of the weight gradients "
+        why = (f"not explained by these timelines ({machine}): the chain's steps took "
+               f"{stretch:.1f}x as long as in the serial run, the helper computed "
+               f"{1 - own:.0%} of the weight gradients "
                f"and a task takes a median {task * 1e6:.0f} us, well above a hand-off's cost")
     return {"chain_stretch": stretch, "timeline_speedup": timeline_speedup,
             "chain_worker_share": own, "lanes": lanes,
