@@ -22,7 +22,39 @@ def test_speed_sweep_measures_each_depth_beside_its_models_and_plots():
     fig, ax = plt.subplots()
     mg.plot_speed(r, ax)
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert any("measured on cpu" in t for t in labels) and sum("modeled" in t for t in labels) == 3
+    assert any("measured on cpu" in t for t in labels)
+    equal = r["model_f"] == pytest.approx(r["model_fb"], rel=0.01)
+    assert sum("modeled" in t for t in labels) == (2 if equal else 3)
+    plt.close(fig)
+
+
+def test_equal_forward_and_fwd_bwd_limits_are_one_line_and_the_legend_sits_below():
+    # two identical lines hide one another: draw one, labelled as both
+    r = mg.speed_sweep(8, 2, 4, 2, 1, depths=[16], repeat=1, device="cpu")
+    r["above"], r["cal_above"], r["above_cal"] = [], [], []
+    for fb, lines in ((list(r["model_f"]), 1), ([v * 0.7 for v in r["model_f"]], 2)):
+        r["model_fb"] = fb
+        fig, ax = plt.subplots()
+        mg.plot_speed(r, ax)
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert sum("limit (modeled" in t or "limits (equal here)" in t for t in labels) == lines
+        assert (lines == 1) == any("equal here" in t for t in labels)
+        fig.canvas.draw()
+        assert ax.get_legend().get_window_extent().y1 < ax.get_window_extent().y0
+        plt.close(fig)
+
+
+def test_a_forward_above_its_calibrated_limit_is_flagged_at_every_depth():
+    r = mg.speed_sweep(8, 2, 4, 2, 1, depths=[16, 32], repeat=1, device="cpu")
+    assert r["above_cal"] == [(n, s, c) for n, s, c in zip(r["Ns"], r["fwd"]["speedup"]["MGRIT"],
+                                                           r["model_cal"], strict=True)
+                              if s > 1.25 * c]
+    r["above"], r["cal_above"] = [], []
+    r["above_cal"] = [(16, 0.95, 0.25)]   # the first depth, not only the last
+    fig, ax = plt.subplots()
+    mg.plot_speed(r, ax)
+    text = " ".join(t.get_text() for t in ax.texts)
+    assert "MEASURED ABOVE THE CALIBRATED LIMIT (N=16: 0.95x > 0.25x)" in text
     plt.close(fig)
 
 

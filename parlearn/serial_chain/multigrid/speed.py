@@ -25,6 +25,7 @@ from parlearn.serial_chain.multigrid.stack import random_stack
 
 __all__ = ["speed_sweep", "plot_speed"]
 
+ABOVE_CAL = 1.25   # a forward this many times its calibrated limit is flagged
 _KEYS = ("Ns", "fwd", "fb", "model_f", "model_fb", "model_cal", "err", "above", "setting")
 
 
@@ -59,8 +60,10 @@ def speed_sweep(width: int, batch: int, cfactor: int, levels: int, iters: int, *
     modeled limit: a bug to explain), ``cal_above`` (``(N, calibrated, modeled)`` where the
     calibrated limit exceeds ``N / depth``: the calls, each timed alone, added up to less than
     ``depth`` serial layers, which no batched call can do, so the serial loop and the calls were
-    timed at different speeds of the machine), and ``Ns``, ``width``, ``batch``, ``cfactor``,
-    ``setting``."""
+    timed at different speeds of the machine), ``above_cal`` (``(N, measured, calibrated)``
+    where the forward measured more than ``ABOVE_CAL`` x its calibrated limit: the calls ran
+    slower while calibrated than inside the forward, so that limit is not a result there),
+    and ``Ns``, ``width``, ``batch``, ``cfactor``, ``setting``."""
     width, batch = check_int("width", width, lo=1), check_int("batch", batch, lo=1)
     iters, repeat = check_int("iters", iters, lo=1), check_int("repeat", repeat, lo=1)
     if isinstance(depths, str) or not isinstance(depths, Sequence) or not depths:
@@ -112,10 +115,19 @@ def speed_sweep(width: int, batch: int, cfactor: int, levels: int, iters: int, *
              for n, s, lim in zip(depths, sw["speedup"]["MGRIT"], mod, strict=True) if s > lim]
     cal_above = [(n, c, lim) for n, c, lim in zip(depths, model_cal, model_f, strict=True)
                  if c > lim]
+    above_cal = [(n, s, c) for n, s, c in zip(depths, fwd["speedup"]["MGRIT"], model_cal,
+                                              strict=True) if s > ABOVE_CAL * c]
     return {"Ns": depths, "fwd": fwd, "fb": fb, "model_f": model_f, "model_fb": model_fb,
             "err": err, "model_cal": model_cal, "width": width, "batch": batch,
-            "cfactor": cfactor, "above": above, "cal_above": cal_above,
+            "cfactor": cfactor, "above": above, "cal_above": cal_above, "above_cal": above_cal,
             "setting": f"w={width}, B={batch}, m={cfactor}, {levels} levels, {iters} it"}
+
+
+def _above_cal_note(result: dict) -> str:
+    """What :func:`plot_speed` writes when a forward lies above its calibrated limit."""
+    where = ", ".join(f"N={n}: {s:.2g}x > {c:.2g}x" for n, s, c in result["above_cal"])
+    return (f"MEASURED ABOVE THE CALIBRATED LIMIT ({where}): the calls ran slower while "
+            f"calibrated than inside the forward;\nthe calibrated line is not a result there")
 
 
 def _above_note(result: dict) -> str:
@@ -146,6 +158,8 @@ def plot_speed(result: dict, ax) -> None:
     """Draw :func:`speed_sweep`'s ``result``: measured forward and fwd+bwd speedups (IQR
     bars) beside the modeled and calibrated limits, on log axes, with the spread warning
     and a flag when a measurement exceeds its modeled limit."""
+    from matplotlib.transforms import offset_copy
+
     from parlearn.core.viz import log_ticks, mark_reliability, plot_measured, plot_modeled
 
     if not isinstance(result, dict) or set(_KEYS) - set(result):
@@ -159,25 +173,31 @@ def plot_speed(result: dict, ax) -> None:
                       device=f"{sw['device']}, {sw['threads']} thread(s)",
                       yerr=np.clip(np.vstack([y - lo, hi - y]), 0, None), color=color)
     ns = result["Ns"]
-    plot_modeled(ax, ns, result["model_f"], name="forward limit", formula="N / MGRIT depth",
-                 color="C0")
-    plot_modeled(ax, ns, result["model_fb"], name="fwd+bwd limit",   # close to the forward
-                 formula="2N / (fwd+bwd depth)", color="C1", linestyle=":",  # one: markers
-                 marker="x", ms=7)
+    if np.allclose(result["model_f"], result["model_fb"], rtol=0.01):   # one line, not two
+        plot_modeled(ax, ns, result["model_f"], name="forward and fwd+bwd limits (equal here)",
+                     formula="N / MGRIT depth = 2N / (fwd+bwd depth)", color="C0")
+    else:
+        plot_modeled(ax, ns, result["model_f"], name="forward limit", formula="N / MGRIT depth",
+                     color="C0")
+        plot_modeled(ax, ns, result["model_fb"], name="fwd+bwd limit",
+                     formula="2N / (fwd+bwd depth)", color="C1", linestyle=":", marker="x", ms=7)
     plot_modeled(ax, ns, result["model_cal"], name="forward limit, calibrated",
                  formula="serial time / sum of measured call times", color="C2",
                  linestyle="--")
     ax.axhline(1, color="gray", lw=0.8, label="break-even")
     mark_reliability(ax, result["fwd"]["reliable"] and result["fb"]["reliable"])
     notes = ([_above_note(result)] if result["above"] else []) + (
-        [_cal_note(result)] if result.get("cal_above") else [])
-    if notes:   # under the axis label, never over the data
-        ax.annotate("\n".join(notes), xy=(0.5, 0.0), xycoords=ax.xaxis.label, xytext=(0, -4),
-                    textcoords="offset points", ha="center", va="top", color="red", fontsize=8,
-                    annotation_clip=False)
+        [_cal_note(result)] if result.get("cal_above") else []) + (
+        [_above_cal_note(result)] if result.get("above_cal") else [])
     ax.set(xscale="log", yscale="log", xlabel="layers N", ylabel="speedup over the serial ResNet",
            title=result["setting"])
     ax.set_xticks(ns, [str(n) for n in ns])
     ax.minorticks_off()
     log_ticks(ax, "y")   # a speedup axis often spans under a decade: label 0.5, 1, 2...
-    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    under = offset_copy(ax.transAxes, fig=ax.figure, y=-30, units="points")   # below the x label
+    leg = ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, 0.0),
+                    bbox_transform=under, ncol=2)
+    if notes:   # under the legend, never over the data
+        ax.annotate("\n".join(notes), xy=(0.5, 0.0), xycoords=leg, xytext=(0, -4),
+                    textcoords="offset points", ha="center", va="top", color="red", fontsize=8,
+                    annotation_clip=False)
