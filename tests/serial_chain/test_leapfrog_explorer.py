@@ -22,6 +22,11 @@ def test_explore_measures_every_schedule_beside_the_model_and_plots():
     leapfrog.plot_explore(r, axes)
     labels = [t.get_text() for t in axes[0].get_legend().get_texts()]
     assert any("measured on cpu" in t for t in labels) and any("modeled" in t for t in labels)
+    # the verdict is printed under the figure at a readable size, not inside the axes at 7 pt
+    note = next(t for t in axes[1].texts if t.get_text().startswith("measured"))
+    assert note.get_fontsize() >= 9
+    fig.canvas.draw()
+    assert note.get_window_extent().y1 < axes[1].get_window_extent().y0
     plt.close(fig)
 
 

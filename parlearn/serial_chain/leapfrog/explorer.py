@@ -129,7 +129,7 @@ def plot_explore(result: dict, axes) -> None:
                 "holds in flops; its seconds assume serial's flop rate,\nand bigger kernels run "
                 "faster per flop)", transform=ax.transAxes, ha="center", va="top", color="red",
                 fontsize=8)
-    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.18))
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.22))
     mark_reliability(ax, cmp.reliable)
     ax, k = axes[1], result["workers"]
     plot_modeled(ax, result["ks"], result["model_speedup"], name="leapfrog",
@@ -151,8 +151,8 @@ def plot_explore(result: dict, axes) -> None:
         ax.text(0.5, 0.93, "measured above the modeled cap: a bug until explained\n"
                 "(usually a busy machine slowing the serial run)", transform=ax.transAxes,
                 ha="center", va="top", color="red", fontsize=8)
-    ax.text(0.5, 0.03, textwrap.fill(result["why"]["verdict"], 62), transform=ax.transAxes,
-            ha="center", va="bottom", fontsize=7,
-            color="C3" if result["why"]["short"] else "black")
-    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.18))
+    leg = ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.22))
+    ax.annotate(textwrap.fill(result["why"]["verdict"], 70), xy=(0.5, 0.0), xycoords=leg,
+                xytext=(0, -4), textcoords="offset points", ha="center", va="top", fontsize=9,
+                color="C3" if result["why"]["short"] else "black", annotation_clip=False)
     mark_reliability(ax, cmp.reliable)
