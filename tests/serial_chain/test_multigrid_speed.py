@@ -31,7 +31,7 @@ def test_speed_sweep_measures_each_depth_beside_its_models_and_plots():
 def test_equal_forward_and_fwd_bwd_limits_are_one_line_and_the_legend_sits_below():
     # two identical lines hide one another: draw one, labelled as both
     r = mg.speed_sweep(8, 2, 4, 2, 1, depths=[16], repeat=1, device="cpu")
-    r["above"], r["cal_above"], r["above_cal"] = [], [], []
+    r["above"], r["cal_over_limit"], r["over_cal"] = [], [], []
     for fb, lines in ((list(r["model_f"]), 1), ([v * 0.7 for v in r["model_f"]], 2)):
         r["model_fb"] = fb
         fig, ax = plt.subplots()
@@ -46,11 +46,11 @@ def test_equal_forward_and_fwd_bwd_limits_are_one_line_and_the_legend_sits_below
 
 def test_a_forward_above_its_calibrated_limit_is_flagged_at_every_depth():
     r = mg.speed_sweep(8, 2, 4, 2, 1, depths=[16, 32], repeat=1, device="cpu")
-    assert r["above_cal"] == [(n, s, c) for n, s, c in zip(r["Ns"], r["fwd"]["speedup"]["MGRIT"],
+    assert r["over_cal"] == [(n, s, c) for n, s, c in zip(r["Ns"], r["fwd"]["speedup"]["MGRIT"],
                                                            r["model_cal"], strict=True)
                               if s > 1.25 * c]
-    r["above"], r["cal_above"] = [], []
-    r["above_cal"] = [(16, 0.95, 0.25)]   # the first depth, not only the last
+    r["above"], r["cal_over_limit"] = [], []
+    r["over_cal"] = [(16, 0.95, 0.25)]   # the first depth, not only the last
     fig, ax = plt.subplots()
     mg.plot_speed(r, ax)
     text = " ".join(t.get_text() for t in ax.texts)
@@ -88,10 +88,10 @@ def test_a_calibrated_limit_above_n_over_depth_is_flagged_not_drawn_silently():
     # the calibrated calls can never add up to less than depth serial layers: when they do,
     # the serial loop and the calls were timed at different speeds of the machine
     r = mg.speed_sweep(8, 2, 4, 2, 1, depths=[16], repeat=1, device="cpu")
-    assert r["cal_above"] == [(16, c, lim) for c, lim in zip(r["model_cal"], r["model_f"],
+    assert r["cal_over_limit"] == [(16, c, lim) for c, lim in zip(r["model_cal"], r["model_f"],
                                                                     strict=True) if c > lim]
     r["above"], r["model_cal"] = [], [r["model_f"][0] * 8]
-    r["cal_above"] = [(16, r["model_cal"][0], r["model_f"][0])]
+    r["cal_over_limit"] = [(16, r["model_cal"][0], r["model_f"][0])]
     fig, ax = plt.subplots()
     mg.plot_speed(r, ax)
     text = " ".join(t.get_text() for t in ax.texts)

@@ -57,10 +57,10 @@ def speed_sweep(width: int, batch: int, cfactor: int, levels: int, iters: int, *
     Returns a dict: ``fwd`` and ``fb`` (the sweeps), ``model_f``/``model_fb`` (the modeled
     limits ``N / depth``), ``model_cal`` (serial median over the calibrated sum of MGRIT's
     calls), ``err`` (MGRIT's relative output error), ``above`` (measured speedups above their
-    modeled limit: a bug to explain), ``cal_above`` (``(N, calibrated, modeled)`` where the
+    modeled limit: a bug to explain), ``cal_over_limit`` (``(N, calibrated, modeled)`` where the
     calibrated limit exceeds ``N / depth``: the calls, each timed alone, added up to less than
     ``depth`` serial layers, which no batched call can do, so the serial loop and the calls were
-    timed at different speeds of the machine), ``above_cal`` (``(N, measured, calibrated)``
+    timed at different speeds of the machine), ``over_cal`` (``(N, measured, calibrated)``
     where the forward measured more than ``ABOVE_CAL`` x its calibrated limit: the calls ran
     slower while calibrated than inside the forward, so that limit is not a result there),
     and ``Ns``, ``width``, ``batch``, ``cfactor``, ``setting``."""
@@ -113,19 +113,20 @@ def speed_sweep(width: int, batch: int, cfactor: int, levels: int, iters: int, *
     above = [(what, n, s, lim)
              for what, sw, mod in (("forward", fwd, model_f), ("fwd+bwd", fb, model_fb))
              for n, s, lim in zip(depths, sw["speedup"]["MGRIT"], mod, strict=True) if s > lim]
-    cal_above = [(n, c, lim) for n, c, lim in zip(depths, model_cal, model_f, strict=True)
+    cal_over_limit = [(n, c, lim) for n, c, lim in zip(depths, model_cal, model_f, strict=True)
                  if c > lim]
-    above_cal = [(n, s, c) for n, s, c in zip(depths, fwd["speedup"]["MGRIT"], model_cal,
+    over_cal = [(n, s, c) for n, s, c in zip(depths, fwd["speedup"]["MGRIT"], model_cal,
                                               strict=True) if s > ABOVE_CAL * c]
     return {"Ns": depths, "fwd": fwd, "fb": fb, "model_f": model_f, "model_fb": model_fb,
             "err": err, "model_cal": model_cal, "width": width, "batch": batch,
-            "cfactor": cfactor, "above": above, "cal_above": cal_above, "above_cal": above_cal,
+            "cfactor": cfactor, "above": above, "cal_over_limit": cal_over_limit,
+            "over_cal": over_cal,
             "setting": f"w={width}, B={batch}, m={cfactor}, {levels} levels, {iters} it"}
 
 
-def _above_cal_note(result: dict) -> str:
+def _over_cal_note(result: dict) -> str:
     """What :func:`plot_speed` writes when a forward lies above its calibrated limit."""
-    where = ", ".join(f"N={n}: {s:.2g}x > {c:.2g}x" for n, s, c in result["above_cal"])
+    where = ", ".join(f"N={n}: {s:.2g}x > {c:.2g}x" for n, s, c in result["over_cal"])
     return (f"MEASURED ABOVE THE CALIBRATED LIMIT ({where}): the calls ran slower while "
             f"calibrated than inside the forward;\nthe calibrated line is not a result there")
 
@@ -148,7 +149,7 @@ def _above_note(result: dict) -> str:
 
 def _cal_note(result: dict) -> str:
     """What :func:`plot_speed` writes when the calibrated limit lies above ``N / depth``."""
-    where = ", ".join(f"N={n}: {c:.2g}x > {lim:.2g}x" for n, c, lim in result["cal_above"])
+    where = ", ".join(f"N={n}: {c:.2g}x > {lim:.2g}x" for n, c, lim in result["cal_over_limit"])
     return (f"CALIBRATED LIMIT ABOVE THE MODELED ONE ({where}): the calls, timed alone, added up "
             f"to less than depth serial layers;\nthe serial loop and the calls were timed at "
             f"different speeds of a busy machine: not a result")
@@ -187,8 +188,8 @@ def plot_speed(result: dict, ax) -> None:
     ax.axhline(1, color="gray", lw=0.8, label="break-even")
     mark_reliability(ax, result["fwd"]["reliable"] and result["fb"]["reliable"])
     notes = ([_above_note(result)] if result["above"] else []) + (
-        [_cal_note(result)] if result.get("cal_above") else []) + (
-        [_above_cal_note(result)] if result.get("above_cal") else [])
+        [_cal_note(result)] if result.get("cal_over_limit") else []) + (
+        [_over_cal_note(result)] if result.get("over_cal") else [])
     ax.set(xscale="log", yscale="log", xlabel="layers N", ylabel="speedup over the serial ResNet",
            title=result["setting"])
     ax.set_xticks(ns, [str(n) for n in ns])
