@@ -328,19 +328,23 @@ def measure_roofline(sizes, *, working_set: int = 2**26, peak_size: int = 512, r
                      seed: int = 0) -> dict:
     """Measure the two roofs of ``device`` and where float32 batched matmuls sit under them.
 
-    Roofs (measured, sustained rates rather than datasheet peaks): ``peak_flops``, the FLOP/s
-    of one ``peak_size`` square matmul (``2 s^3`` FLOPs); ``bandwidth``, the bytes/s of
-    copying ``working_set`` bytes (read + write: twice the bytes copied, as
-    ``parlearn.card`` counts it). Points (measured): for each ``s`` in ``sizes`` one
+    Roofs (measured, sustained rates rather than datasheet peaks), each the best rate any
+    measured kernel reached, so that no point lies above them: ``peak_flops``, the FLOP/s of
+    the fastest repeat of one ``peak_size`` square matmul (``2 s^3`` FLOPs) or of any point's
+    bmm; ``bandwidth``, the bytes/s of the fastest repeat of copying ``working_set`` bytes
+    (read + write: twice the bytes copied, as ``parlearn.card`` counts it) or of any point's
+    bmm (its FLOP/s over its intensity). ``peak_from`` and ``bandwidth_from`` name the
+    kernel that set each roof. Points (measured): for each ``s`` in ``sizes`` one
     ``torch.bmm`` of ``n`` products of ``s x s`` matrices, ``n`` chosen so that the two
     operands and the result hold about ``working_set`` bytes (more than the caches, so they
     stream from memory); its FLOP/s is ``2 n s^3 / median time`` at intensity
     :func:`matmul_intensity` ``(s, 4)``. ``threads`` as in :func:`sweep_batching` (default
     1, the thread policy's). ``ridge_range`` is the ridge ``peak_flops / bandwidth`` taken
-    at the quartiles of the two roofs' repeats (lowest: copy's lower quartile over the
-    matmul's upper one; highest: the other way round), the run's own spread of the ridge.
+    at the quartiles of the matmul's and the copy's repeats (lowest: copy's lower quartile
+    over the matmul's upper one; highest: the other way round), relative to their medians'
+    ridge and applied to the ridge of the roofs returned: the run's own spread of the ridge.
     Returns ``{"sizes", "n", "intensity", "flops", "spread", "peak_flops", "bandwidth",
-    "ridge_range", "device", "threads", "reliable"}``.
+    "peak_from", "bandwidth_from", "ridge_range", "device", "threads", "reliable"}``.
     """
     sizes = check_ints("sizes", sizes, lo=1)
     working_set = check_int("working_set", working_set, lo=1024)
@@ -359,6 +363,9 @@ def measure_roofline(sizes, *, working_set: int = 2**26, peak_size: int = 512, r
     copy = measure(partial(dst.copy_, src), repeat=repeat, device=device, threads=threads)
     timings.append(copy)
     ns, flops, spread = [], [], []
+    fl = 2.0 * peak_size**3
+    peaks = [(fl / min(peak.times), f"{peak_size}x{peak_size} matmul")]
+    bws = [(2.0 * src.numel() * 4 / min(copy.times), f"{working_set / 2**20:g} MiB copy")]
     for s in sizes:
         n = max(1, working_set // (3 * 4 * s * s))
         a, b = random_batch(n, s, device=device, seed=seed)
@@ -367,14 +374,20 @@ def measure_roofline(sizes, *, working_set: int = 2**26, peak_size: int = 512, r
         ns.append(n)
         flops.append(2.0 * n * s**3 / t.median)
         spread.append(t.spread)
-    per_byte = 2.0 * peak_size**3 / (2.0 * src.numel() * 4)     # ridge = per_byte * t_copy / t_mm
+        best = 2.0 * n * s**3 / min(t.times)
+        peaks.append((best, f"bmm s={s}"))
+        bws.append((best / float(matmul_intensity(s, 4)), f"bmm s={s}"))
+    peak_flops, peak_from = max(peaks, key=lambda x: x[0])
+    bandwidth, bandwidth_from = max(bws, key=lambda x: x[0])
     mm_lo, mm_hi = _quartiles(sorted(peak.times))
     cp_lo, cp_hi = _quartiles(sorted(copy.times))
+    mid = copy.median / peak.median                  # the ridge of the medians, up to a constant
+    ridge = peak_flops / bandwidth
     return {"sizes": sizes, "n": ns, "intensity": matmul_intensity(sizes, 4).tolist(),
-            "flops": flops, "spread": spread,
-            "peak_flops": 2.0 * peak_size**3 / peak.median,
-            "bandwidth": 2.0 * src.numel() * 4 / copy.median,
-            "ridge_range": (per_byte * cp_lo / mm_hi, per_byte * cp_hi / mm_lo),
+            "flops": flops, "spread": spread, "peak_flops": peak_flops, "bandwidth": bandwidth,
+            "peak_from": peak_from, "bandwidth_from": bandwidth_from,
+            "ridge_range": (ridge * min(1.0, cp_lo / mm_hi / mid),
+                            ridge * max(1.0, cp_hi / mm_lo / mid)),
             "device": device.type,
             "threads": peak.threads, "reliable": all(t.reliable for t in timings)}
 

@@ -126,6 +126,7 @@ def plot_explorer(r: dict, axes) -> None:
     axes[2].axhline(1, color="gray", lw=0.6)
     axes[2].set(xscale="log", yscale="log", xlabel="link bandwidth (MB/s)",
                 ylabel="fp32 step / 8-bit step")
+    _plain_log_ticks(axes[2])
     viz.mark_reliability(axes[0], s["q3"] <= 2 * s["q1"])
     for ax in axes:   # the third panel has an x label to clear
         ax.legend(fontsize="small", loc="upper center",
@@ -187,3 +188,11 @@ def cluster_timeline(axes, param_bytes: Sequence[int], world_size: int, link, *,
     axes[1].set_title(f"zoom on the end of backward (dotted): the last {zoom_last} buckets",
                       fontsize="small")
     return {**m, "exposed": exposed}
+
+
+def _plain_log_ticks(ax) -> None:
+    """Ticks 0.5, 1, 2, 5 on a log y-axis instead of 5x10^-1, 10^0, 2x10^0."""
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+    ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(NullFormatter())

@@ -264,6 +264,10 @@ def plot_check(ax, check: dict, real: AlphaBeta) -> list[str]:
            ylabel="fp32 step / 8-bit step",
            title=f"{check['numel']} params, 2 ranks; quantize {q * 1e9:.1f}, dequantize "
                  f"{d * 1e9:.1f} ns/element (measured on the ranks)")
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+    ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))       # ticks 0.5, 1, 2, not 5x10^-1
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
     return lines
 
 
