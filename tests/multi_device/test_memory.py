@@ -101,6 +101,17 @@ def test_calculator_accounting():
         M.estimate("llama3-8b", 1, 4096, recompute="selective")["activations"])
 
 
+def test_full_recomputation_counts_the_block_being_rebuilt():
+    # full keeps each block's input, and during the backward one block at a time is rebuilt
+    # with all its activations (none's): that transient must be in the total
+    m, s, b, tp = M.PRESETS["llama3-8b"], 8192, 4, 8
+    none = M.estimate(m, b, s, tp=tp)["activations"]
+    for pp, mb in ((1, 1), (4, 8)):
+        full = M.estimate(m, b, s, tp=tp, pp=pp, micro_batches=mb, recompute="full")
+        kept = m.layers // pp * min(pp, mb) * 2 * s * b * m.hidden / tp
+        assert full["activations"] == pytest.approx(kept + none / m.layers)
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(tp=3), "tp=3 must divide heads"),
     (dict(pp=5), "pp=5 must divide layers"),

@@ -17,7 +17,9 @@
       2 s b (2h + h + h + 2kd + h + h + 4f) + 2 a b s s_k        (none)
 
   the second term, the softmax output, goes with ``selective`` recomputation (as with
-  FlashAttention, which never stores it); ``full`` keeps only each block's input ``2 s b h``.
+  FlashAttention, which never stores it); ``full`` keeps only each block's input ``2 s b h``,
+  plus, once, the block the backward is rebuilding: one block and micro-batch of ``none``
+  (its score matrix included), alive while that block's gradients are computed.
   Tensor parallelism with sequence parallelism divides everything by ``tp`` (Korthikanti
   et al. 2022); context parallelism gives each GPU ``s / cp`` tokens, with keys of length
   ``s_k = s`` for its queries (ring attention visits every key block).
@@ -132,6 +134,8 @@ def estimate(model: LlamaShape | str, batch: int, seq: int, *, precision: str = 
     states = memory_model(round(stage_params), dp, zero_stage, precision)
     in_flight = micro_batches if schedule == "gpipe" else min(pp, micro_batches)
     act = blocks * in_flight * _activations(model, batch, seq // cp, seq, recompute) / tp
+    if recompute == "full":   # the block being recomputed during the backward, one at a time
+        act += _activations(model, batch, seq // cp, seq, "none") / tp
     logits = 4 * batch * (seq // cp) * model.vocab / tp
     out = {"params": states["params"], "grads": states["grads"],
            "optimizer": states["optimizer"], "activations": act, "logits": logits}

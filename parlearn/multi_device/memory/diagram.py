@@ -26,8 +26,8 @@ BLOCK_TENSORS = (
     ("x3", "x + mlp\n(next block)", None, "b s h", 3, 2),
 )
 # (from, to, operation on the arrow)
-_EDGES = (("x", "ln1", "LN1"), ("x", "st1", ""), ("ln1", "qk", "Wq, Wk, RoPE"),
-          ("ln1", "v", "Wv"), ("qk", "p", "scores, mask"), ("p", "att", "p v"),
+_EDGES = (("x", "ln1", "LN1"), ("x", "st1", ""), ("ln1", "qk", "Wq, Wk,\nRoPE"),
+          ("ln1", "v", "Wv"), ("qk", "p", "scores,\nmask"), ("p", "att", "p v"),
           ("v", "att", ""), ("att", "x2", "Wo, + x"), ("x2", "ln2", "LN2"), ("x2", "st2", ""),
           ("ln2", "gelu", "W1, GELU"), ("gelu", "x3", "W2, + x"))
 
