@@ -136,3 +136,26 @@ def test_verdict_says_which_side_left_the_model():
     text = g.verdict(64, measured_speedup=64 * one / (2 * (t0 + c * 64)), one=one)
     assert "the batched call of 64 items took" in text and "the loop of" not in text
     assert "not a fitted point" in f.verdict(32, measured_speedup=1.0)
+
+
+def test_above_bound_blames_a_loop_that_left_its_model():
+    """Above the bound with the loop off its line n * one: the loop is named, not vector units."""
+    f = fit_batching(NS, 3e-5 + 2e-7 * NS)
+    n = 64.0
+    batched = f.seconds[f.ns.index(n)]
+    slow_loop = 6 * n * (f.t0 + f.c)  # the loop took 6x the calls the model charges
+    text = f.verdict(n, measured_speedup=slow_loop / batched)
+    assert "above that bound" in text and "took 6.00x the 64 calls" in text
+    assert "vector units" not in text
+    # A loop on its line and a batched call far under it: the model leaves something out.
+    fast = tuple(s / 10 if k == n else s for k, s in zip(f.ns, f.seconds, strict=True))
+    g = BatchingFit(f.t0, f.c, f.ns, fast)
+    on_line = g.verdict(n, measured_speedup=n * (g.t0 + g.c) / (batched / 10))
+    assert "above that bound" in on_line and "vector units" in on_line
+
+
+def test_zero_c_says_the_knee_is_beyond_the_sweep():
+    f = fit_batching([1, 8, 32, 64], [1.0e-3, 0.9e-3, 0.9e-3, 0.85e-3])
+    text = f.verdict(64, measured_speedup=13.4)
+    assert f.c == 0 and "no per-item cost found over n = 1 to 64" in text
+    assert "beyond the measured range" in text and "inf" not in text
