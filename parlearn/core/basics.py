@@ -60,8 +60,19 @@ __all__ = [
 ]
 
 
+def _holds_bool(value) -> bool:
+    if isinstance(value, bool | np.bool_):
+        return True
+    if isinstance(value, list | tuple):
+        return any(_holds_bool(v) for v in value)
+    return False
+
+
 def _real_array(name: str, value) -> np.ndarray:
-    """``value`` as a float array; bools, non-numbers and NaN/inf are refused."""
+    """``value`` as a float array; bools (also in a list), non-numbers and NaN/inf are refused."""
+    if _holds_bool(value):   # np.asarray([True, 2.5]) would be [1.0, 2.5]: a bool as a number
+        raise TypeError(f"{name} must be a real number or an array of them, got a bool in "
+                        f"{value!r}")
     arr = np.asarray(value)
     if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer)
                                  or np.issubdtype(arr.dtype, np.floating)):

@@ -91,6 +91,10 @@ BAD_CALLS = {
     "amdahl s>1": (lambda: basics.amdahl(1.5, 2), ValueError, "serial_fraction"),
     "amdahl s nan": (lambda: basics.amdahl(math.nan, 2), ValueError, "serial_fraction"),
     "amdahl s bool": (lambda: basics.amdahl(True, 2), TypeError, "serial_fraction"),
+    # np.asarray([True, 2.5]) is [1.0, 2.5]: a bool inside a list once passed as 1 worker
+    "amdahl p bool in list": (lambda: basics.amdahl(0.5, [True, 2.5]), TypeError, "workers"),
+    "gustafson p bool in tuple": (lambda: basics.gustafson(0.5, (4, True)), TypeError,
+                                  "workers"),
     "amdahl p=0": (lambda: basics.amdahl(0.5, 0), ValueError, "workers"),
     "amdahl p str": (lambda: basics.amdahl(0.5, "8"), TypeError, "workers"),
     "amdahl p inf": (lambda: basics.amdahl(0.5, math.inf), ValueError, "workers"),
