@@ -231,6 +231,15 @@ OPEN_BOTH = [0.0, 1.0, -0.5, 1.5]            # for a value in (0, 1)
 POSITIVE = [0.0, -1.0]                        # for a value > 0
 
 
+
+def _speed_result():
+    """The keys multigrid.speed_sweep returns, with one depth (64) and no flags."""
+    sw = {"speedup": {"MGRIT": [1.5]}, "speedup_lo": {"MGRIT": [1.4]},
+          "speedup_hi": {"MGRIT": [1.6]}, "reliable": True}
+    return {"Ns": [64], "fwd": sw, "fb": sw, "model_f": [8.0], "model_fb": [8.0],
+            "model_cal": [1.6], "err": [0.1], "above": [], "cal_over_limit": [],
+            "over_cal": [], "setting": "w=4"}
+
 CASES: list[Case] = [
     # --- serial_chain.strads ---------------------------------------------------------------
     Case("parlearn.serial_chain.strads.solver.soft_threshold",
@@ -724,10 +733,15 @@ CASES: list[Case] = [
               "progress": ["progress"]},
          legal={"threads": [None], "device": [None], "progress": [None]}),
     Case("parlearn.serial_chain.multigrid.speed.plot_speed",
-         lambda: dict(result=dict.fromkeys(("Ns", "fwd", "fb", "model_f", "model_fb",
-                                            "model_cal", "err", "above", "setting")), ax=None),
+         lambda: dict(result=_speed_result(), ax=None),
          run_good=False, skip={"ax": "matplotlib axes, drawn on"},
          bad={"result": [{}, {"Ns": [64]}, "result", 3]}),
+    Case("parlearn.serial_chain.multigrid.speed.read_above",
+         lambda: dict(result=_speed_result()),
+         bad={"result": [{}, {"Ns": [64]}, "result", 3]}),
+    Case("parlearn.serial_chain.multigrid.speed.cal_reading",
+         lambda: dict(result=_speed_result(), n=64),
+         bad={"result": [{}, {"Ns": [64]}, "result", 3], "n": [128, 64.5, True]}),
     Case("parlearn.serial_chain.neq.accuracy",
          lambda: dict(model=_neq_net(), x=_xy()[0], y=_xy()[1]),
          bad={"model": ["model"], "x": [_t(0, 3)], "y": [_xy(4)[1], _t(5)]},

@@ -101,3 +101,39 @@ def test_a_calibrated_limit_above_n_over_depth_is_flagged_not_drawn_silently():
     note = next(t for t in ax.texts if "CALIBRATED" in t.get_text())
     assert note.get_window_extent().y1 < ax.get_window_extent().y0
     plt.close(fig)
+
+
+def _one_depth(measured, cal, limit=8.0, lo=None, reliable=True):
+    sw = {"speedup": {"MGRIT": [measured]},
+          "speedup_lo": {"MGRIT": [measured if lo is None else lo]},
+          "speedup_hi": {"MGRIT": [measured + 0.1]}, "reliable": reliable}
+    r = {"Ns": [64], "fwd": sw, "fb": sw, "model_f": [limit], "model_fb": [limit],
+         "model_cal": [cal], "err": [0.0], "setting": "w=4"}
+    r["above"] = [(w, 64, measured, limit) for w in ("forward", "fwd+bwd") if measured > limit]
+    r["cal_over_limit"] = [(64, cal, limit)] if cal > limit else []
+    r["over_cal"] = [(64, measured, cal)] if measured > mg.speed.ABOVE_CAL * cal else []
+    return r
+
+
+def test_cal_reading_names_where_the_forward_stands_to_its_calibrated_limit():
+    # lessons 21 and 29 print their verdicts from this one reading
+    assert mg.cal_reading(_one_depth(1.0, 1.05), 64) == "near"
+    assert mg.cal_reading(_one_depth(0.7, 1.0), 64) == "under_cal"
+    assert mg.cal_reading(_one_depth(0.81, 1.0), 64) == "near"
+    assert mg.cal_reading(_one_depth(1.3, 1.0), 64) == "over_cal"
+    assert mg.cal_reading(_one_depth(1.2, 1.0), 64) == "near"
+    # a calibrated limit above N / depth is not a result, whatever the forward did
+    assert mg.cal_reading(_one_depth(1.0, 9.0), 64) == "cal_over_limit"
+    with pytest.raises(ValueError, match="n must be one of the swept depths"):
+        mg.cal_reading(_one_depth(1.0, 1.0), 128)
+
+
+def test_read_above_calls_a_median_above_its_limit_steady_only_when_the_whole_iqr_is():
+    assert mg.read_above(_one_depth(1.0, 1.0)) == []
+    read = mg.read_above(_one_depth(9.0, 1.0, lo=8.5))
+    assert [(a["what"], a["N"], a["steady"]) for a in read] == [("forward", 64, True),
+                                                                 ("fwd+bwd", 64, True)]
+    assert read[0]["lo"] == 8.5 and read[0]["hi"] == pytest.approx(9.1) and read[0]["limit"] == 8.0
+    assert not any(a["steady"] for a in mg.read_above(_one_depth(9.0, 1.0, lo=7.9)))
+    assert not any(a["steady"] for a in mg.read_above(_one_depth(9.0, 1.0, lo=8.5,
+                                                                 reliable=False)))

@@ -17,7 +17,9 @@ module              what it holds
                     beside the serial baseline :class:`SerialResNet`, :func:`train_digits`
 ``cost``            the cost model (depth and work vs the serial sweep) and the bench rows
 ``speed``           lesson 21's speed dashboard: :func:`speed_sweep` (MGRIT and the serial
-                    ResNet timed beside the modeled limits) and :func:`plot_speed`
+                    ResNet timed beside the modeled limits), :func:`plot_speed`, and the
+                    readings both lessons 21 and 29 print: :func:`read_above`,
+                    :func:`cal_reading`
 ==================  ======================================================================
 
 The names a notebook uses are re-exported here:
@@ -53,11 +55,11 @@ from parlearn.serial_chain.multigrid.solver import (
     mgrit,
     residual,
 )
-from parlearn.serial_chain.multigrid.speed import plot_speed, speed_sweep
+from parlearn.serial_chain.multigrid.speed import cal_reading, plot_speed, read_above, speed_sweep
 from parlearn.serial_chain.multigrid.stack import ResidualStack, conv_tanh, dense_tanh, random_stack
 
 __all__ = ["ResidualStack", "dense_tanh", "conv_tanh", "random_stack", "MGRITResult",
            "ConvergenceWarning", "mgrit", "residual", "exact_iterations", "mgrit_forward",
            "mgrit_adjoint", "serial_adjoint", "parameter_grads", "LayerParallelResNet",
            "SerialResNet", "train_digits", "cost_model", "calibrate", "bench", "RELAX",
-           "speed_sweep", "plot_speed"]
+           "speed_sweep", "plot_speed", "read_above", "cal_reading"]

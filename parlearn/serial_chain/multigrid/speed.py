@@ -23,10 +23,12 @@ from parlearn.serial_chain.multigrid.layer_parallel import LayerParallelResNet, 
 from parlearn.serial_chain.multigrid.solver import _check_grid
 from parlearn.serial_chain.multigrid.stack import random_stack
 
-__all__ = ["speed_sweep", "plot_speed"]
+__all__ = ["speed_sweep", "plot_speed", "read_above", "cal_reading"]
 
 ABOVE_CAL = 1.25   # a forward this many times its calibrated limit is flagged
-_KEYS = ("Ns", "fwd", "fb", "model_f", "model_fb", "model_cal", "err", "above", "setting")
+BELOW_CAL = 0.8    # below this fraction of it, the solver's own work between calls shows
+_KEYS = ("Ns", "fwd", "fb", "model_f", "model_fb", "model_cal", "err", "above", "cal_over_limit",
+         "over_cal", "setting")
 
 
 def _no_grad(f: Callable, x: torch.Tensor) -> Callable[[], None]:
@@ -131,17 +133,56 @@ def _over_cal_note(result: dict) -> str:
             f"calibrated than inside the forward;\nthe calibrated line is not a result there")
 
 
-def _above_note(result: dict) -> str:
-    """What :func:`plot_speed` writes when a median lies above its modeled limit: a bug to
-    explain only if the repeats agree (the sweep is steady and the lower IQR end is above
-    the limit too); otherwise the spread of the repeats, which makes the median unreadable."""
-    spread = []
-    for what, n, _s, lim in result["above"]:
+def read_above(result: dict) -> list[dict]:
+    """Each entry of :func:`speed_sweep`'s ``result["above"]`` (a median speedup above its
+    modeled limit), read: a dict with ``what`` ("forward" or "fwd+bwd"), ``N``, ``measured``,
+    ``limit``, ``lo`` and ``hi`` (the repeats' IQR) and ``steady``. ``steady`` is True only when
+    the sweep's repeats were steady and even the lower IQR end is above the limit: then the
+    baseline or the model is wrong, a bug to explain. Otherwise the repeats spread too much
+    for the median to be read."""
+    _check_result(result)
+    out = []
+    for what, n, s, lim in result["above"]:
         sw = result["fwd"] if what == "forward" else result["fb"]
-        lo = sw["speedup_lo"]["MGRIT"][result["Ns"].index(n)]
-        if lo <= lim or not sw["reliable"]:
-            spread.append(f"{what} N={n}")
-    if len(spread) == len(result["above"]):
+        i = result["Ns"].index(n)
+        lo, hi = sw["speedup_lo"]["MGRIT"][i], sw["speedup_hi"]["MGRIT"][i]
+        out.append({"what": what, "N": n, "measured": s, "limit": lim, "lo": lo, "hi": hi,
+                    "steady": bool(sw["reliable"]) and lo > lim})
+    return out
+
+
+def cal_reading(result: dict, n: int) -> str:
+    """How the forward at depth ``n`` of :func:`speed_sweep`'s ``result`` stands to its
+    calibrated limit: ``"cal_over_limit"`` (the calibrated limit exceeds ``N / depth``: the
+    serial loop and the calls were timed at different speeds of the machine, so it is not a
+    result), ``"over_cal"`` (measured above ``ABOVE_CAL`` x the calibrated limit: the calls ran
+    slower while calibrated than inside the forward), ``"under_cal"`` (below ``BELOW_CAL`` x
+    it: the solver's own work between calls) or ``"near"``."""
+    _check_result(result)
+    if isinstance(n, bool) or n not in result["Ns"]:
+        raise ValueError(f"n must be one of the swept depths {result['Ns']}, got {n!r}")
+    if any(m == n for m, _c, _lim in result["cal_over_limit"]):
+        return "cal_over_limit"
+    if any(m == n for m, _s, _c in result["over_cal"]):
+        return "over_cal"
+    i = result["Ns"].index(n)
+    if result["fwd"]["speedup"]["MGRIT"][i] < BELOW_CAL * result["model_cal"][i]:
+        return "under_cal"
+    return "near"
+
+
+def _check_result(result) -> None:
+    if not isinstance(result, dict) or set(_KEYS) - set(result):
+        raise ValueError(f"result must be the dict multigrid.speed_sweep returns (keys "
+                         f"{_KEYS}), got {result!r:.80}")
+
+
+def _above_note(result: dict) -> str:
+    """What :func:`plot_speed` writes when a median lies above its modeled limit (see
+    :func:`read_above`)."""
+    read = read_above(result)
+    spread = [f"{a['what']} N={a['N']}" for a in read if not a["steady"]]
+    if len(spread) == len(read):
         return ("MEASURED ABOVE THE MODELED LIMIT (" + ", ".join(spread)
                 + "): repeats too spread to read, not a result")
     return "MEASURED ABOVE THE MODELED LIMIT with steady repeats: a bug to explain"
@@ -163,9 +204,7 @@ def plot_speed(result: dict, ax) -> None:
 
     from parlearn.core.viz import log_ticks, mark_reliability, plot_measured, plot_modeled
 
-    if not isinstance(result, dict) or set(_KEYS) - set(result):
-        raise ValueError(f"result must be the dict multigrid.speed_sweep returns (keys "
-                         f"{_KEYS}), got {result!r:.80}")
+    _check_result(result)
     for sw, name, color in ((result["fwd"], "MGRIT forward / serial ResNet (IQR bars)", "C0"),
                             (result["fb"], "MGRIT fwd+bwd / serial ResNet with autograd", "C1")):
         y = np.asarray(sw["speedup"]["MGRIT"])
