@@ -47,7 +47,7 @@ ZOO_RUNS: dict[str, list[str]] = {
         [BZ + "test_on_ranks_equals_one_process_on_the_zoo"],
     "multi_device.batching.training.worker_train":
         [BZ + "test_on_ranks_equals_one_process_on_the_zoo"],
-    "multi_device.batching.training.worker_train_runs":
+    "multi_device.batching.training.train_runs":
         [BZ + "test_runs_in_one_launch_equal_one_process_each_on_the_zoo"],
     "multi_device.batching.noise_scale.measure_noise_scale":
         [BZ + "test_noise_scale_and_sweep_run_on_the_zoo_and_leave_the_model_alone"],

@@ -6,7 +6,8 @@
 =====================  ====================================================================
 module                 what it holds
 =====================  ====================================================================
-``launch``             :func:`run`: k ranks of a ``torch.distributed`` group from a notebook
+``launch``             :func:`run`: k ranks of a ``torch.distributed`` group from a notebook;
+                       :func:`run_many`: many calls of one worker in one launch
 ``traffic``            :func:`ledger`: every collective a rank issues, its bytes and time
 ``flight``             the flight recorder: every call each rank makes, written before it
                        starts (``run(..., doctor=True)``)
@@ -36,7 +37,7 @@ from parlearn.distributed.cost import (
 )
 from parlearn.distributed.diagnosis import Call, diagnose
 from parlearn.distributed.flight import read_records, recording
-from parlearn.distributed.launch import RankError, default_backend, device_for, run
+from parlearn.distributed.launch import RankError, default_backend, device_for, run, run_many
 from parlearn.distributed.measure import (
     DEFAULT_SIZES,
     STUDY_SIZES,
@@ -48,7 +49,8 @@ from parlearn.distributed.measure import (
 )
 from parlearn.distributed.traffic import Ledger, Record, ledger
 
-__all__ = ["run", "RankError", "device_for", "default_backend", "ledger", "Ledger", "Record",
+__all__ = ["run", "run_many", "RankError", "device_for", "default_backend", "ledger", "Ledger",
+           "Record",
            "AlphaBeta", "KINDS", "ALGORITHMS", "collective_time", "fit_alpha_beta", "ring_bytes",
            "sweep_collective", "measure_alpha_beta", "measure_links", "DEFAULT_SIZES", "Card",
            "ring_vs_gloo", "other_load", "STUDY_SIZES", "Call", "diagnose", "read_records",

@@ -33,6 +33,7 @@ NCCL), through :mod:`parlearn.distributed.__main__`::
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import importlib
 import itertools
@@ -56,7 +57,7 @@ import torch.distributed as tdist
 from parlearn.core.checks import check_bool, check_callable, check_choice, check_float, check_int
 from parlearn.distributed import diagnosis, flight
 
-__all__ = ["run", "RankError", "device_for", "default_backend", "MAX_LOCAL_RANKS"]
+__all__ = ["run", "run_many", "RankError", "device_for", "default_backend", "MAX_LOCAL_RANKS"]
 
 _HOST = "127.0.0.1"
 _run_ids = itertools.count()
@@ -337,15 +338,8 @@ def run(fn: Callable, world_size: int = 2, *, args: Sequence = (), backend: str 
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise ValueError(f"backend='nccl' needs one GPU per rank: world_size={world_size}, "
                          f"GPUs={torch.cuda.device_count()}")
-    if start is None:
-        fork_ok = sys.platform.startswith("linux") and not torch.cuda.is_initialized()
-        start = "fork" if fork_ok else "spawn"
-    check_choice("start", start, mp.get_all_start_methods())
+    start = _start_method(start, fn)
     if start != "fork":
-        why = _importable(fn)
-        if why:
-            raise ValueError(f"start={start!r} needs a worker the child can import, but {why}."
-                             " Put the worker in an importable module, or use start='fork'.")
         try:
             pickle.dumps(tuple(args))
         except Exception as err:
@@ -408,3 +402,47 @@ def run(fn: Callable, world_size: int = 2, *, args: Sequence = (), backend: str 
                         [r for r in unfinished if r not in failures],
                         *(found or (None, None)))
     return [results[r] for r in range(world_size)]
+
+
+def _start_method(start: str | None, fn: Callable) -> str:
+    """The start method ``run`` uses (None: fork on Linux unless CUDA is initialised),
+    checked, and ``fn`` checked importable when the children do not fork."""
+    if start is None:
+        fork_ok = sys.platform.startswith("linux") and not torch.cuda.is_initialized()
+        start = "fork" if fork_ok else "spawn"
+    check_choice("start", start, mp.get_all_start_methods())
+    if start != "fork":
+        why = _importable(fn)
+        if why:
+            raise ValueError(f"start={start!r} needs a worker the child can import, but {why}."
+                             " Put the worker in an importable module, or use start='fork'.")
+    return start
+
+
+def _many(rank: int, world_size: int, fn: Callable, calls: list) -> list:
+    # each call gets its own copy of its arguments, as it would in a launch of its own
+    return [fn(rank, world_size, *copy.deepcopy(args)) for args in calls]
+
+
+def run_many(fn: Callable, world_size: int = 2, calls: Sequence = (), **run_kwargs) -> list:
+    """Run ``fn(rank, world_size, *args)`` for each ``args`` of ``calls``, one call after the
+    other, in one launch of ``world_size`` ranks: starting the processes costs seconds, a
+    small call milliseconds. Each call gets its own copy of its arguments (a model trained
+    by one call does not carry over to the next), as separate :func:`run` launches would.
+    ``run_kwargs`` (``backend``, ``timeout``, ``start``...) go to :func:`run`; its timeout
+    bounds each collective, so it need not grow with the number of calls.
+
+    Returns ``result[i][rank]``: what ``run(fn, world_size, args=calls[i])[rank]`` returns.
+    Callers check every call's arguments before this (a bad third call should fail before
+    the first one runs); here ``calls`` must be a non-empty list of argument tuples."""
+    check_callable("fn", fn)
+    if isinstance(calls, str) or not isinstance(calls, Sequence) or not calls:
+        raise TypeError(f"calls must be a non-empty list of argument tuples, got {calls!r:.80}")
+    for i, args in enumerate(calls):
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"calls[{i}] must be a tuple of arguments, got {args!r:.80}")
+    if "args" in run_kwargs:
+        raise TypeError("run_many takes each call's arguments in calls, not args")
+    _start_method(run_kwargs.get("start"), fn)   # fn itself travels to spawned children
+    per_rank = run(_many, world_size, args=(fn, [tuple(a) for a in calls]), **run_kwargs)
+    return [[r[i] for r in per_rank] for i in range(len(calls))]

@@ -268,6 +268,10 @@ CASES = [
               "env": [{"A": 1}, "A=1", {"TORCH_DISTRIBUTED_DEBUG": "LOUD"}],
               "records": [3, {}]},   # {} without doctor=True
          legal={"env": [None], "records": [None]}),
+    Case("parlearn.distributed.launch.run_many",
+         lambda: dict(fn=_hello(), world_size=2, calls=[(), ()]),
+         ranges={"world_size": (1, 64)}, run_good=False,
+         bad={"fn": [3], "calls": [[], "ab", [3], [(), None]]}),
     Case("parlearn.distributed.flight.recording", lambda: dict(folder="/tmp", rank=0),
          ranges={"rank": (0, None)}, bad={"folder": [3, "/no/such/folder"]}),
     Case("parlearn.distributed.flight.read_records", lambda: dict(folder="/tmp"),

@@ -91,13 +91,6 @@ CASES: list[Case] = [
               "batch": [0, 3], "seq": [0, 9], "micro_batches": [0], "lr": [0.0, -1.0],
               "timeout": [0.0, -1.0]},
          run_good=False),   # starts rank processes
-    Case(P + "mesh.checks.mesh_checks_worker",
-         lambda: dict(rank=0, world_size=_mesh().world, cfg=_cfg(), shapes=[_mesh()], steps=1,
-                      batch=4, seq=8, micro_batches=2, lr=0.01, seed=0),
-         bad={"world_size": [_mesh().world + 1], "cfg": NOT_A_CFG,
-              "shapes": ["2x1x1", [], ["2x1x1"]], "steps": [0], "batch": [0, 3],
-              "seq": [0, 9], "micro_batches": [0], "lr": [0.0, -1.0], "seed": [-1]},
-         run_good=False),
     Case(P + "mesh.grading.measure_plan",
          lambda: dict(cfg=_cfg(), pred=_prediction(), batch=4, seq=8, steps=2, timeout=60.0),
          ranges={"steps": (2, None)},

@@ -498,8 +498,8 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "test_bad_train_arguments_fail_before_any_step",
     P + "batching.training.worker_train": "tests/multi_device/test_batching.py::"
     "test_bad_calls_fail_fast",
-    P + "batching.training.worker_train_runs": "tests/multi_device/test_batching.py::"
-    "test_worker_train_runs_equals_one_launch_per_run_and_checks_every_run_first",
+    P + "batching.training.train_runs": "tests/multi_device/test_batching.py::"
+    "test_train_runs_equals_one_launch_per_run_and_checks_every_run_first",
 }
 EXEMPT: dict[str, str] = {
     P + "mesh.planner.Prediction": "the result record predict() returns; no user builds one",

@@ -154,6 +154,36 @@ def test_spawn_runs_a_library_worker():
     assert all(o["max_abs_diff"] < 1e-12 for o in out)
 
 
+
+def _grow(rank, world_size, box, by):
+    # mutates its argument: a second call must not see the first call's change
+    box.append(by)
+    t = torch.tensor([float(sum(box) * (rank + 1))])
+    tdist.all_reduce(t)
+    return list(box), t.item()
+
+
+def test_run_many_equals_one_launch_per_call_each_with_its_own_arguments():
+    box = [1.0]
+    calls = [(box, 2.0), (box, 10.0), (box, -3.0)]
+    together = dist.run_many(_grow, 2, calls, timeout=T)
+    alone = [dist.run(_grow, 2, args=c, timeout=T) for c in calls]
+    assert together == alone and box == [1.0]          # the caller's list untouched
+    assert together[1] == [([1.0, 10.0], 33.0)] * 2    # not [1, 2, 10]: a fresh copy per call
+    assert len(dist.run_many(_sum_ranks, 3, [(), (2.0,)], timeout=T)[1]) == 3
+
+
+@pytest.mark.parametrize("calls, kwargs, match", [
+    ([], {}, "calls"), ("ab", {}, "calls"), ([(1.0,), 3], {}, r"calls\[1\]"),
+    ([()], {"args": (1,)}, "args"), ([()], {"start": "bogus"}, "start"),
+])
+def test_run_many_refuses_bad_calls_before_starting_anything(calls, kwargs, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        dist.run_many(_sum_ranks, 2, calls, **kwargs)
+    with pytest.raises(ValueError, match="import"):   # fn travels to spawned children too
+        dist.run_many(lambda r, w: r, 2, [()], start="spawn")
+
+
 @pytest.mark.parametrize("kwargs, exc", [
     (dict(world_size=0), ValueError), (dict(world_size=2.0), TypeError),
     (dict(timeout=0), ValueError), (dict(backend="mpi"), ValueError),

@@ -226,19 +226,18 @@ def test_subgroup_all_reduces_equal_half_means_in_one_process(world_size, accum)
     assert bt.probe_bytes(a.numel(), world_size, 8)["probe"] == pytest.approx(wire)
 
 
-def test_worker_train_runs_equals_one_launch_per_run_and_checks_every_run_first():
+def test_train_runs_equals_one_launch_per_run_and_checks_every_run_first():
     data = datasets.digits(dtype=torch.float64, n_train=300)
     task = bt.DigitsTask(data, seed=1)
     net = models.mlp([64, 16, 10], seed=0, dtype=torch.float64)
     runs = [{"method": "simigrad", "steps": 6, "lr": 0.5, "batch": 16, "target": 0.6,
              "step": 0.3, "micro": 2},
             {"method": "fixed", "steps": 5, "lr": 0.5, "batch": 8}]
-    together = dist.run(bt.worker_train_runs, 2, args=(copy.deepcopy(net), task, runs),
-                        timeout=TIMEOUT)
+    together = bt.train_runs(net, task, runs, world_size=2, timeout=TIMEOUT)
     for i, kw in enumerate(runs):
         alone = dist.run(bt.worker_train, 2, args=(copy.deepcopy(net), task, kw),
                          timeout=TIMEOUT)[0]
-        got = together[0][i]
+        got = together[i][0]
         assert got.batch == alone.batch and got.loss == alone.loss
         for k in alone.params:
             assert torch.equal(got.params[k], alone.params[k])
@@ -246,7 +245,13 @@ def test_worker_train_runs_equals_one_launch_per_run_and_checks_every_run_first(
     for bad, err in (([runs[0], {"momentum": 0.9}], ValueError), ([], TypeError),
                      ([runs[0], 3], TypeError)):
         with pytest.raises(err, match="runs"):
-            bt.worker_train_runs(0, 2, copy.deepcopy(net), task, bad)
+            bt.train_runs(net, task, bad, world_size=2)
+    for kw, match in (({"world_size": 0}, "world_size"), ({"world_size": True}, "world_size"),
+                      ({"timeout": 0.0}, "timeout"), ({"timeout": "60"}, "timeout")):
+        with pytest.raises((TypeError, ValueError), match=match):
+            bt.train_runs(net, task, runs, **kw)
+    with pytest.raises(TypeError, match="model"):
+        bt.train_runs("net", task, runs)
 
 
 @pytest.mark.parametrize("world_size,method", [(2, "simigrad"), (4, "adascale")])

@@ -54,22 +54,20 @@ def test_on_ranks_equals_one_process_on_the_zoo(name, method):
 
 @pytest.mark.parametrize("name", [n for n in zoo.ZOO if "batchnorm" not in zoo.FEATURES[n]])
 def test_runs_in_one_launch_equal_one_process_each_on_the_zoo(name):
-    """worker_train_runs: both methods in one launch, each from its own copy of the model."""
+    """train_runs: both methods in one launch, each from its own copy of the model."""
     model = zoo.build(name, torch.float64)
     task = ZooTask(torch.float64)
     runs = [{**KW, "method": m} for m in ("simigrad", "adascale")]
     before = zoo.frozen(model)
-    ranks = dist.run(bt.worker_train_runs, 2, args=(copy.deepcopy(model), task, runs),
-                     timeout=60)
+    per_run = bt.train_runs(model, task, runs, world_size=2, timeout=60)
     for i, kw in enumerate(runs):
         ref = bt.train(copy.deepcopy(model), task, world_size=2, **kw)
-        for hists in ranks:
-            assert hists[i].batch == ref.batch
+        for h in per_run[i]:
+            assert h.batch == ref.batch
             for k in ref.params:
-                torch.testing.assert_close(hists[i].params[k], ref.params[k], rtol=1e-10,
-                                           atol=1e-10)
+                torch.testing.assert_close(h.params[k], ref.params[k], rtol=1e-10, atol=1e-10)
     zoo.assert_frozen_unmoved(model, before)
-    a, b = ranks[0][0].params, ranks[0][1].params
+    a, b = per_run[0][0].params, per_run[1][0].params
     assert any(not torch.equal(a[k], b[k]) for k in a)          # two methods, two results
 
 

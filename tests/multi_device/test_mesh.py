@@ -28,7 +28,7 @@ def test_composed_equals_one_process(dims):
 
 def test_mesh_checks_is_mesh_check_per_shape_in_one_launch(monkeypatch):
     # Lesson 19's meshes in one launch of the ranks: each result equals mesh_check's.
-    import parlearn.distributed as pdist
+    import parlearn.distributed.launch as pdist
     from parlearn.multi_device.mesh import mesh_checks
 
     launches, real_run = [], pdist.run
@@ -329,7 +329,7 @@ def test_grading_report_is_complete(monkeypatch):
     picks run in one launch of the ranks, each with the memory measure_plan measures."""
     import math
 
-    import parlearn.distributed as pdist
+    import parlearn.distributed.launch as pdist
     from parlearn.multi_device.mesh.grading import grade, measure_plan
 
     launches, real_run = [], pdist.run

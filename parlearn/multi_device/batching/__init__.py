@@ -61,8 +61,8 @@ from parlearn.multi_device.batching.training import (
     SimiGradController,
     samples_to_target,
     train,
+    train_runs,
     worker_train,
-    worker_train_runs,
 )
 
 __all__ = ["expected_cosine", "controller_fixed_point", "adascale_gain",
@@ -71,6 +71,6 @@ __all__ = ["expected_cosine", "controller_fixed_point", "adascale_gain",
            "LinearRegressionProblem", "RegressionTask", "DigitsTask", "half_gradients",
            "half_groups", "worker_half_gradients", "draw_probe", "METHODS", "LR_SCALINGS",
            "History",
-           "train", "worker_train", "worker_train_runs", "probe_bytes", "samples_to_target",
+           "train", "worker_train", "train_runs", "probe_bytes", "samples_to_target",
            "monte_carlo_halves",
            "measure_noise_scale", "batch_sweep", "tradeoff_model", "frontier_samples", "bench"]

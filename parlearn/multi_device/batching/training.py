@@ -18,7 +18,6 @@ round-off.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import math
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ from parlearn.multi_device.batching.halves import _check_world, _HalfProbe, half
 from parlearn.multi_device.batching.noise_scale import NoiseScale, two_half_stats
 
 __all__ = ["SimiGradController", "METHODS", "LR_SCALINGS", "History", "train", "worker_train",
-           "worker_train_runs", "samples_to_target"]
+           "train_runs", "samples_to_target"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -269,13 +268,17 @@ def worker_train(rank: int, world_size: int, model: nn.Module, task, kwargs: dic
     return hist
 
 
-def worker_train_runs(rank: int, world_size: int, model: nn.Module, task, runs: list
-                      ) -> list[History]:
-    """A :func:`parlearn.distributed.run` worker: :func:`worker_train` once per dict of
-    ``runs``, each from its own copy of ``model``, one after the other in one launch
-    (starting the ranks costs seconds). Every run's arguments are checked before the first
-    one starts. Returns the histories, in order."""
+def train_runs(model: nn.Module, task, runs: list, *, world_size: int = 2,
+               timeout: float = 60) -> list[list[History]]:
+    """:func:`worker_train` once per dict of ``runs`` on ``world_size`` real ranks, each from
+    its own copy of ``model``, in one launch (:func:`parlearn.distributed.run_many`: starting
+    the ranks costs seconds). Every run's arguments are checked before the ranks start.
+    Returns ``result[i][rank]``: run ``i``'s history on each rank (all the same)."""
+    from parlearn.distributed import run_many
+
     check_module("model", model)
+    world_size = check_int("world_size", world_size, lo=1)
+    timeout = check_float("timeout", timeout, lo=0, lo_open=True)
     if not isinstance(runs, list) or not runs:
         raise TypeError(f"runs must be a non-empty list of dicts of train arguments, "
                         f"got {runs!r}")
@@ -284,7 +287,8 @@ def worker_train_runs(rank: int, world_size: int, model: nn.Module, task, runs: 
             _worker_args(world_size, kw)
         except (TypeError, ValueError) as err:
             raise type(err)(f"runs[{i}]: {err}") from None
-    return [worker_train(rank, world_size, copy.deepcopy(model), task, kw) for kw in runs]
+    return run_many(worker_train, world_size, [(model, task, kw) for kw in runs],
+                    timeout=timeout)
 
 
 def samples_to_target(hist: History, target_loss: float) -> tuple[int, int] | None:

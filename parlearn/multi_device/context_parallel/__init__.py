@@ -41,7 +41,6 @@ from parlearn.multi_device.context_parallel.gpt import (
     cp_forward,
     cp_train,
     cp_train_runs,
-    cp_train_runs_worker,
     cp_train_worker,
     serial_train,
 )
@@ -59,7 +58,6 @@ from parlearn.multi_device.context_parallel.workers import (
     SCHEMES,
     attention_check,
     attention_checks,
-    attention_checks_worker,
     attention_inputs,
     attention_worker,
     layout_timing,
@@ -74,9 +72,9 @@ __all__ = ["LAYOUTS", "shard_chunks", "shard_index", "full_attention", "block_at
            "allgather_attention", "GatherSequence",
            "ScatterSequence", "SequenceParallelBlock", "TensorParallelBlock", "serial_block",
            "sp_block_worker", "SCHEMES", "attention_inputs", "attention_worker",
-           "attention_check", "attention_checks", "attention_checks_worker", "layout_timing",
+           "attention_check", "attention_checks", "layout_timing",
            "layout_timing_worker", "saved_bytes",
            "COST_SCHEMES", "scheme_cost", "attention_memory", "hiding_shard",
            "timeline_summary", "draw_ring", "draw_ulysses", "draw_zigzag", "cp_forward",
            "serial_train", "cp_train", "cp_train_worker",
-           "cp_train_runs", "cp_train_runs_worker", "torch_cp_worker"]
+           "cp_train_runs", "torch_cp_worker"]

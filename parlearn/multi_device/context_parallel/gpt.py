@@ -32,7 +32,7 @@ from parlearn.multi_device.transformer.corpus import get_batch, pydoc_corpus
 from parlearn.multi_device.transformer.model import GPT, GPTConfig, _rotate_half
 
 __all__ = ["cp_forward", "train_batches", "serial_train", "cp_train", "cp_train_worker",
-           "cp_train_runs", "cp_train_runs_worker"]
+           "cp_train_runs"]
 
 _ATTENTION = {"ring": ring_attention, "ulysses": ulysses_attention,
               "allgather": allgather_attention}
@@ -232,32 +232,19 @@ def _check_runs(runs) -> list[tuple[str, str]]:
     return out
 
 
-def cp_train_runs_worker(rank: int, world_size: int, cfg: GPTConfig, steps: int, batch: int,
-                         seq: int, lr: float, seed: int, runs: list) -> list[dict]:
-    """Worker: :func:`cp_train_worker` once per ``(scheme, layout)`` of ``runs``, one after
-    the other in one launch (each from a fresh model; starting the ranks costs seconds).
-    Every run is checked before the first one starts. One dict per run."""
-    runs = _check_runs(runs)
-    world_size = check_int("world_size", world_size, lo=1)
-    check_int("rank", rank, lo=0, hi=world_size - 1)
-    _check_train_args(cfg, steps, batch, seq, lr, seed, runs[0][1], runs[0][0])
-    return [cp_train_worker(rank, world_size, cfg, steps, batch, seq, lr, seed, layout, scheme)
-            for scheme, layout in runs]
-
-
 def cp_train_runs(cfg: GPTConfig, world_size: int = 2, *, runs: list, steps: int = 3,
                   batch: int = 2, seq: int = 16, lr: float = 1e-2, seed: int = 0,
                   timeout: float = 60) -> list[list[dict]]:
     """:func:`cp_train` for each ``(scheme, layout)`` of ``runs`` in one launch of the ranks:
     ``result[i]`` is what ``cp_train(..., scheme=runs[i][0], layout=runs[i][1])`` returns
     (one dict per rank)."""
-    from parlearn.distributed import run
+    from parlearn.distributed import run_many
 
     runs = _check_runs(runs)
     world_size = check_int("world_size", world_size, lo=2)
     cfg, steps, batch, seq, lr, seed = _check_train_args(cfg, steps, batch, seq, lr, seed,
                                                          runs[0][1], runs[0][0])
     timeout = check_float("timeout", timeout, lo=0, lo_open=True)
-    ranks = run(cp_train_runs_worker, world_size, timeout=timeout,
-                args=(cfg, steps, batch, seq, lr, seed, runs))
-    return [[r[i] for r in ranks] for i in range(len(runs))]
+    return run_many(cp_train_worker, world_size,
+                    [(cfg, steps, batch, seq, lr, seed, layout, scheme) for scheme, layout in runs],
+                    timeout=timeout)

@@ -25,7 +25,7 @@ from parlearn.multi_device.context_parallel.ring import ring_attention
 from parlearn.multi_device.context_parallel.ulysses import ulysses_attention
 
 __all__ = ["SCHEMES", "saved_bytes", "attention_inputs", "attention_worker", "attention_check",
-           "attention_checks", "attention_checks_worker", "layout_timing_worker",
+           "attention_checks", "layout_timing_worker",
            "layout_timing", "torch_cp_worker"]
 
 SCHEMES = ("ring", "ulysses", "allgather")
@@ -143,14 +143,9 @@ def _fill_case(case, world_size: int) -> dict:
     return c
 
 
-def attention_checks_worker(rank: int, world_size: int, cases: list) -> list:
-    """Worker: :func:`attention_worker` for each case of ``cases`` (dicts of its keyword
-    arguments after ``world_size``), one after the other in one launch."""
-    if not isinstance(cases, list) or not cases:
-        raise TypeError(f"cases must be a non-empty list of dicts, got {cases!r}")
-    world_size = check_int("world_size", world_size, lo=1)
-    cases = [_check_case(c, world_size, i) for i, c in enumerate(cases)]
-    return [attention_worker(rank, world_size, **c) for c in cases]
+def _attention_case(rank: int, world_size: int, case: dict) -> dict:
+    # run_many passes each case as one positional dict
+    return attention_worker(rank, world_size, **case)
 
 
 def attention_checks(world_size: int, cases: list, *, timeout: float = 60) -> list:
@@ -159,7 +154,7 @@ def attention_checks(world_size: int, cases: list, *, timeout: float = 60) -> li
     non-empty list of dicts with ``scheme`` and ``seq`` and, optionally, attention_check's
     ``batch, heads, head_dim, causal, layout, seed, repeat``; every case is checked before
     the ranks start. Returns one attention_check result per case, in order."""
-    from parlearn.distributed import run
+    from parlearn.distributed import run_many
 
     world_size = check_int("world_size", world_size, lo=1)
     timeout = check_float("timeout", timeout, lo=0, lo_open=True)
@@ -174,10 +169,9 @@ def attention_checks(world_size: int, cases: list, *, timeout: float = 60) -> li
         ref, saved = saved_bytes(full_attention, q, k, v, c["causal"])
         (ref * w).sum().backward()
         refs.append((dict(o=ref.detach(), dq=q.grad, dk=k.grad, dv=v.grad), saved))
-    per_rank = run(attention_checks_worker, world_size, timeout=timeout, args=(cases,))
+    per_case = run_many(_attention_case, world_size, [(c,) for c in cases], timeout=timeout)
     out = []
-    for i, (want, saved) in enumerate(refs):
-        ranks = [r[i] for r in per_rank]
+    for (want, saved), ranks in zip(refs, per_case, strict=True):
         errors = {name: max(float((r[name] - want[name][..., r["idx"], :]).abs().max())
                             for r in ranks) for name in want}
         out.append({**errors, "ranks": ranks, "saved_full": saved})

@@ -21,7 +21,7 @@ module              what it holds
 The hardware card the planner reads is :mod:`parlearn.card` (``parlearn.distributed.card``).
 """
 
-from parlearn.multi_device.mesh.checks import mesh_checks, mesh_checks_worker
+from parlearn.multi_device.mesh.checks import mesh_checks
 from parlearn.multi_device.mesh.composed import (
     MeshRank,
     assemble,
@@ -33,4 +33,4 @@ from parlearn.multi_device.mesh.layout import AXES, MeshShape, draw_mesh
 from parlearn.multi_device.mesh.stage import StageGPT, check_plan
 
 __all__ = ["AXES", "MeshShape", "draw_mesh", "StageGPT", "MeshRank", "check_plan", "mesh_train",
-           "mesh_train_worker", "assemble", "mesh_check", "mesh_checks", "mesh_checks_worker"]
+           "mesh_train_worker", "assemble", "mesh_check", "mesh_checks"]

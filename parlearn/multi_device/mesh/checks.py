@@ -1,14 +1,15 @@
 """Several meshes checked against one process in one launch of the ranks: :func:`mesh_checks`.
 
 Lesson 19 checks the tiny GPT on four meshes of 8 ranks; starting 8 ranks costs seconds each
-time, so :func:`mesh_checks_worker` trains every mesh in turn in the same processes (each
-from a fresh model, each with its own process groups) and :func:`mesh_checks` compares each
-with :func:`parlearn.context_parallel.serial_train`, exactly as :func:`mesh_check` does.
+time, so :func:`mesh_checks` trains every mesh in turn in the same processes
+(:func:`parlearn.distributed.run_many`: each from a fresh model, each with its own process
+groups) and compares each with :func:`parlearn.context_parallel.serial_train`, exactly as
+:func:`mesh_check` does.
 """
 
 from __future__ import annotations
 
-from parlearn.core.checks import check_float, check_int
+from parlearn.core.checks import check_float
 from parlearn.multi_device.mesh.composed import (
     _against_serial,
     check_train_args,
@@ -17,7 +18,7 @@ from parlearn.multi_device.mesh.composed import (
 from parlearn.multi_device.mesh.layout import MeshShape
 from parlearn.multi_device.transformer.model import GPTConfig
 
-__all__ = ["mesh_checks", "mesh_checks_worker"]
+__all__ = ["mesh_checks"]
 
 
 def _check_shapes(cfg: GPTConfig, shapes, steps: int, batch: int, seq: int,
@@ -37,31 +38,18 @@ def _check_shapes(cfg: GPTConfig, shapes, steps: int, batch: int, seq: int,
     return list(shapes)
 
 
-def mesh_checks_worker(rank: int, world_size: int, cfg: GPTConfig, shapes: list, steps: int,
-                       batch: int, seq: int, micro_batches: int, lr: float, seed: int
-                       ) -> list[dict]:
-    """Worker: :func:`mesh_train_worker` (Adam, ZeRO-1, SP, 1F1B) for each of ``shapes`` in
-    turn; every shape is checked before the first one trains. One dict per shape."""
-    world_size = check_int("world_size", world_size, lo=1)
-    check_int("rank", rank, lo=0, hi=world_size - 1)
-    shapes = _check_shapes(cfg, shapes, steps, batch, seq, micro_batches, lr, seed)
-    if world_size != shapes[0].world:
-        raise ValueError(f"world_size={world_size} must equal the shapes' {shapes[0].world}")
-    return [mesh_train_worker(rank, world_size, cfg, s, steps, batch, seq, micro_batches, lr,
-                              seed, True, 1, "none", "1f1b") for s in shapes]
-
-
 def mesh_checks(cfg: GPTConfig, shapes: list, *, steps: int = 3, batch: int = 8, seq: int = 16,
                 micro_batches: int = 2, lr: float = 1e-2, seed: int = 0,
                 timeout: float = 60) -> list[dict]:
     """:func:`mesh_check` for each of ``shapes`` (one world size) in one launch of the
     ranks: ``result[i]`` is what ``mesh_check(cfg, shapes[i], ...)`` returns."""
-    from parlearn.distributed import run
+    from parlearn.distributed import run_many
 
     shapes = _check_shapes(cfg, shapes, steps, batch, seq, micro_batches, lr, seed)
     check_float("timeout", timeout, lo=0, lo_open=True)
-    ranks = run(mesh_checks_worker, shapes[0].world, backend="gloo", timeout=timeout,
-                args=(cfg, shapes, steps, batch, seq, micro_batches, lr, seed))
+    per_shape = run_many(mesh_train_worker, shapes[0].world,
+                         [(cfg, s, steps, batch, seq, micro_batches, lr, seed, True, 1, "none",
+                           "1f1b") for s in shapes], backend="gloo", timeout=timeout)
     same = dict(steps=steps, batch=batch, seq=seq, lr=lr, seed=seed)
-    return [_against_serial(cfg, s, [r[i] for r in ranks], same, None)
-            for i, s in enumerate(shapes)]
+    return [_against_serial(cfg, s, ranks, same, None)
+            for s, ranks in zip(shapes, per_shape, strict=True)]

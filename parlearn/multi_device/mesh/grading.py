@@ -94,17 +94,13 @@ def _summarise(res: list[dict], steps: int) -> dict:
             "spread": (max(slowest) - min(slowest)) / med if med else 0.0}
 
 
-def _plans_worker(rank: int, world_size: int, cfg: GPTConfig, runs: list, batch: int,
-                  seq: int) -> list[dict]:
-    """Worker: :func:`mesh_train_worker` for each ``(shape, micro_batches, zero, recompute,
-    steps)`` of ``runs``, one after the other in one launch; per run only what
-    :func:`_summarise` reads (step times, held bytes, activation peak)."""
-    out = []
-    for shape, micro, zero, recompute, steps in runs:
-        r = mesh_train_worker(rank, world_size, cfg, shape, steps, batch, seq, micro, 1e-2, 0,
-                              True, zero, recompute, "1f1b")
-        out.append({"step_s": r["step_s"], "held": r["held"], "act_peak": r["act_peak"]})
-    return out
+def _plan_worker(rank: int, world_size: int, cfg: GPTConfig, shape, micro: int, zero: int,
+                 recompute: str, steps: int, batch: int, seq: int) -> dict:
+    """Worker: :func:`mesh_train_worker` for one plan, returning only what :func:`_summarise`
+    reads (step times, held bytes, activation peak): the trained weights stay on the ranks."""
+    r = mesh_train_worker(rank, world_size, cfg, shape, steps, batch, seq, micro, 1e-2, 0,
+                          True, zero, recompute, "1f1b")
+    return {"step_s": r["step_s"], "held": r["held"], "act_peak": r["act_peak"]}
 
 
 def grade(cfg: GPTConfig, card, *, world: int = 4, batch: int = 8, seq: int = 16,
@@ -146,17 +142,16 @@ def grade(cfg: GPTConfig, card, *, world: int = 4, batch: int = 8, seq: int = 16
     peak = card.flops[work.dtype] * min(world, cores)
     # All picks in one launch of the ranks (starting them costs seconds each time), in turn;
     # each plan's first step, which warms up, is left out of its median as in measure_plan.
-    from parlearn.distributed import run
+    from parlearn.distributed import run_many
 
-    runs = [(*plan_mesh(p, batch), p.plan.zero, p.plan.recompute,
-             worst_steps if p is ranked[-1] else steps) for p in picks]
+    runs = [(cfg, *plan_mesh(p, batch), p.plan.zero, p.plan.recompute,
+             worst_steps if p is ranked[-1] else steps, batch, seq) for p in picks]
     if progress:
         print(f"running the planner's {len(picks)} picks on {world} ranks, one launch")
-    res = run(_plans_worker, world, backend="gloo", timeout=timeout,
-              args=(cfg, runs, batch, seq))
+    res = run_many(_plan_worker, world, runs, backend="gloo", timeout=timeout)
     rows = []
     for i, pred in enumerate(picks):
-        got = _summarise([r[i] for r in res], runs[i][-1])
+        got = _summarise(res[i], runs[i][-3])
         rows.append({"plan": str(pred.plan), "predicted rank": ranked.index(pred) + 1,
                      "pick": "worst" if pred is ranked[-1] else f"top {i + 1}",
                      "predicted_s": pred.step_s, "measured_s": got["step_s"],
