@@ -272,6 +272,22 @@ def test_bucketed_hooks_fire_during_backward_and_every_grad_is_in_one_bucket():
             assert p[last + 1] == ("launch", str(b))
 
 
+def test_step_time_events_align_on_one_clock_across_ranks():
+    # Each rank's events are relative to its own step start t0; shifted by t0 they share one
+    # clock, on which no all-reduce can complete before the other rank has produced the
+    # gradients it carries (the naive wrapper sends only after backward ends).
+    res = dist.run(W.worker_step_time, 2, args=(("naive", "bucketed"), [8, 32, 32, 4], 4, 2),
+                   timeout=TIMEOUT)
+    for kind, done in (("naive", "reduced"), ("bucketed", "done")):
+        at = [[(w, t + r[kind]["t0"]) for w, _, t in r[kind]["events"]] for r in res]
+        for me, other in ((0, 1), (1, 0)):
+            first_done = min(t for w, t in at[me] if w == done)
+            if kind == "naive":
+                assert first_done >= max(t for w, t in at[other] if w == "grad")
+            assert max(t for w, t in at[me] if w == done) >= min(
+                t for w, t in at[other] if w == "launch" or w == "grad")
+
+
 def test_wrappers_refuse_bad_input():
     with pytest.raises(RuntimeError, match="process group"):
         D.NaiveDP(D.TiedMLP(2, 2, 2))

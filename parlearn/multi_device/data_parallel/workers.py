@@ -80,7 +80,8 @@ def worker_step_time(rank: int, world_size: int, kinds: Sequence[str], widths: S
     same model with no communication: the compute alone). The kinds take turns step by
     step (interleaved, so a busy machine slows them alike). Returns, per kind, each
     step's wall seconds on this rank (forward + backward + communication + SGD step), the
-    events of its last step relative to that step's start (empty for local and DDP) and
+    events of its last step relative to that step's start ``t0`` (empty for local and DDP;
+    ``t0`` is ``time.perf_counter()``, one clock for all ranks of a machine) and
     the ledger's payload bytes per kind of collective in that step (DDP's C++ collectives
     are not seen by the ledger). ``link`` = ``(alpha, bandwidth)`` runs the steps on an
     EMULATED slow link (:func:`parlearn.data_parallel.slow_link.emulated_link`); each
@@ -123,6 +124,7 @@ def worker_step_time(rank: int, world_size: int, kinds: Sequence[str], widths: S
                     opt.step()
                     out[k]["times"].append(time.perf_counter() - t0)
                 out[k]["events"] = [(w, lab, t - t0) for w, lab, t in (log or [])[start:]]
+                out[k]["t0"] = t0
                 out[k]["bytes"] = {kind: v[1] for kind, v in led.summary().items()}
                 if emu is not None:
                     new = emu.charges[charged:]
