@@ -57,7 +57,7 @@ class DQNConfig:
     lr: float = 1e-3
     gamma: float = 0.99
     batch: int = 64
-    learn_start: int = 400        # env steps of random play before the first update
+    learn_start: int = 400        # env steps before the first update (epsilon still near 1)
     eps_end: float = 0.05         # epsilon decays linearly from 1 over half the run
     tau: float = 0.02             # target network rate (EMA; t-soft's base rate)
     beta: float = 0.5             # EBU diffusion factor
