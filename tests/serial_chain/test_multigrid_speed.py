@@ -137,3 +137,22 @@ def test_read_above_calls_a_median_above_its_limit_steady_only_when_the_whole_iq
     assert not any(a["steady"] for a in mg.read_above(_one_depth(9.0, 1.0, lo=7.9)))
     assert not any(a["steady"] for a in mg.read_above(_one_depth(9.0, 1.0, lo=8.5,
                                                                  reliable=False)))
+
+
+def test_the_calibrated_limit_reads_the_serial_run_timed_beside_the_calls(monkeypatch):
+    # two separate timings (a sweep, then a calibration) read the machine's load between
+    # them; the calibrated limit's serial time comes from the calibration's own repeats
+    from parlearn.serial_chain.multigrid import speed
+
+    seen, real = [], speed._calibrated
+
+    def spy(*args, **kwargs):
+        times, cmp = real(*args, **kwargs)
+        seen.append((times, cmp.timings["serial"].median))
+        return times, cmp
+
+    monkeypatch.setattr(speed, "_calibrated", spy)
+    r = mg.speed_sweep(8, 2, 4, 2, 1, depths=[16, 32], repeat=1, device="cpu")
+    for n, cal, (times, serial) in zip(r["Ns"], r["model_cal"], seen, strict=True):
+        mgrit = mg.cost_model(n, 4, 2, 1, call_time=times.__getitem__)["mgrit_seconds"]
+        assert cal == pytest.approx(serial / mgrit, rel=1e-12)

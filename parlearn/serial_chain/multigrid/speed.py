@@ -18,7 +18,7 @@ import torch
 from parlearn.core.checks import check_device, check_int
 from parlearn.core.device import pick_device
 from parlearn.core.timing import sweep
-from parlearn.serial_chain.multigrid.cost import calibrate, cost_model
+from parlearn.serial_chain.multigrid.cost import _calibrated, cost_model
 from parlearn.serial_chain.multigrid.layer_parallel import LayerParallelResNet, SerialResNet
 from parlearn.serial_chain.multigrid.solver import _check_grid
 from parlearn.serial_chain.multigrid.stack import random_stack
@@ -57,15 +57,16 @@ def speed_sweep(width: int, batch: int, cfactor: int, levels: int, iters: int, *
     is told where it is.
 
     Returns a dict: ``fwd`` and ``fb`` (the sweeps), ``model_f``/``model_fb`` (the modeled
-    limits ``N / depth``), ``model_cal`` (serial median over the calibrated sum of MGRIT's
-    calls), ``err`` (MGRIT's relative output error), ``above`` (measured speedups above their
-    modeled limit: a bug to explain), ``cal_over_limit`` (``(N, calibrated, modeled)`` where the
-    calibrated limit exceeds ``N / depth``: the calls, each timed alone, added up to less than
-    ``depth`` serial layers, which no batched call can do, so the serial loop and the calls were
-    timed at different speeds of the machine), ``over_cal`` (``(N, measured, calibrated)``
+    limits ``N / depth``), ``model_cal`` (the serial ResNet's median over the sum of MGRIT's
+    calls, each calibrated (:func:`~.cost.calibrate`) in the same interleaved repeats as that
+    serial run, whose median is ``cal_serial_s``), ``err`` (MGRIT's relative output error),
+    ``above`` (measured speedups above their modeled limit: a bug to explain),
+    ``cal_over_limit`` (``(N, calibrated, modeled)``, where the calibrated limit exceeds ``N /
+    depth``: the calls added up to less than ``depth`` serial layers, which no batched call can
+    do, so the load changed between the repeats), ``over_cal`` (``(N, measured, calibrated)``
     where the forward measured more than ``ABOVE_CAL`` x its calibrated limit: the calls ran
-    slower while calibrated than inside the forward, so that limit is not a result there),
-    and ``Ns``, ``width``, ``batch``, ``cfactor``, ``setting``."""
+    slower while calibrated than inside the forward, so that limit is not a result there), and
+    ``Ns``, ``width``, ``batch``, ``cfactor``, ``setting``."""
     width, batch = check_int("width", width, lo=1), check_int("batch", batch, lo=1)
     iters, repeat = check_int("iters", iters, lo=1), check_int("repeat", repeat, lo=1)
     if isinstance(depths, str) or not isinstance(depths, Sequence) or not depths:
@@ -84,7 +85,7 @@ def speed_sweep(width: int, batch: int, cfactor: int, levels: int, iters: int, *
     tell = progress if progress is not None else (lambda *_: None)
     if not callable(tell):
         raise TypeError(f"progress must be a callable or None, got {progress!r}")
-    nets, err, cals = {}, [], {}
+    nets, err, cals, serial_cal = {}, [], {}, {}
     steps = len(depths) + 1
     for k, n in enumerate(depths):
         tell(k / steps, f"building N = {n}")
@@ -93,8 +94,11 @@ def speed_sweep(width: int, batch: int, cfactor: int, levels: int, iters: int, *
         lp = LayerParallelResNet(st, cfactor=cfactor, levels=levels, fwd_iters=iters,
                                  bwd_iters=iters, warm_start=False, record=False)
         nets[n] = (SerialResNet(st), lp, x)
-        cals[n] = calibrate(st, x, cfactor=cfactor, levels=levels, repeat=repeat,
-                            threads=threads)
+        # the calls and the serial ResNet timed in the same interleaved repeats: a calibrated
+        # limit from two separate timings reads the machine's load between them
+        cals[n], cmp = _calibrated(st, x, cfactor, levels, repeat, threads,
+                                   also={"serial": _no_grad(nets[n][0], x)})
+        serial_cal[n] = cmp.timings["serial"].median
         with torch.no_grad():
             ref = nets[n][0](x)
             err.append(((lp(x) - ref).norm() / ref.norm()).item())
@@ -109,9 +113,9 @@ def speed_sweep(width: int, batch: int, cfactor: int, levels: int, iters: int, *
     model_f = [cost_model(n, cfactor, levels, iters)["speedup"] for n in depths]
     model_fb = [cost_model(n, cfactor, levels, iters, bwd_iters=iters)["speedup"]
                 for n in depths]
-    model_cal = [t / cost_model(n, cfactor, levels, iters,
-                                call_time=cals[n].__getitem__)["mgrit_seconds"]
-                 for n, t in zip(depths, fwd["median_s"]["serial"], strict=True)]
+    model_cal = [serial_cal[n] / cost_model(n, cfactor, levels, iters,
+                                            call_time=cals[n].__getitem__)["mgrit_seconds"]
+                 for n in depths]
     above = [(what, n, s, lim)
              for what, sw, mod in (("forward", fwd, model_f), ("fwd+bwd", fb, model_fb))
              for n, s, lim in zip(depths, sw["speedup"]["MGRIT"], mod, strict=True) if s > lim]
@@ -120,7 +124,8 @@ def speed_sweep(width: int, batch: int, cfactor: int, levels: int, iters: int, *
     over_cal = [(n, s, c) for n, s, c in zip(depths, fwd["speedup"]["MGRIT"], model_cal,
                                               strict=True) if s > ABOVE_CAL * c]
     return {"Ns": depths, "fwd": fwd, "fb": fb, "model_f": model_f, "model_fb": model_fb,
-            "err": err, "model_cal": model_cal, "width": width, "batch": batch,
+            "err": err, "model_cal": model_cal, "cal_serial_s": [serial_cal[n] for n in depths],
+            "width": width, "batch": batch,
             "cfactor": cfactor, "above": above, "cal_over_limit": cal_over_limit,
             "over_cal": over_cal,
             "setting": f"w={width}, B={batch}, m={cfactor}, {levels} levels, {iters} it"}
@@ -154,10 +159,10 @@ def read_above(result: dict) -> list[dict]:
 def cal_reading(result: dict, n: int) -> str:
     """How the forward at depth ``n`` of :func:`speed_sweep`'s ``result`` stands to its
     calibrated limit: ``"cal_over_limit"`` (the calibrated limit exceeds ``N / depth``: the
-    serial loop and the calls were timed at different speeds of the machine, so it is not a
-    result), ``"over_cal"`` (measured above ``ABOVE_CAL`` x the calibrated limit: the calls ran
-    slower while calibrated than inside the forward), ``"under_cal"`` (below ``BELOW_CAL`` x
-    it: the solver's own work between calls) or ``"near"``."""
+    load changed between the calibration's repeats, so it is not a result), ``"over_cal"``
+    (measured above ``ABOVE_CAL`` x the calibrated limit: the calls ran slower while
+    calibrated than inside the forward), ``"under_cal"`` (below ``BELOW_CAL`` x it: the
+    solver's own work between calls) or ``"near"``."""
     _check_result(result)
     if isinstance(n, bool) or n not in result["Ns"]:
         raise ValueError(f"n must be one of the swept depths {result['Ns']}, got {n!r}")
@@ -191,9 +196,9 @@ def _above_note(result: dict) -> str:
 def _cal_note(result: dict) -> str:
     """What :func:`plot_speed` writes when the calibrated limit lies above ``N / depth``."""
     where = ", ".join(f"N={n}: {c:.2g}x > {lim:.2g}x" for n, c, lim in result["cal_over_limit"])
-    return (f"CALIBRATED LIMIT ABOVE THE MODELED ONE ({where}): the calls, timed alone, added up "
-            f"to less than depth serial layers;\nthe serial loop and the calls were timed at "
-            f"different speeds of a busy machine: not a result")
+    return (f"CALIBRATED LIMIT ABOVE THE MODELED ONE ({where}): the calls added up to less "
+            f"than depth serial layers;\nthe load changed between the calibration's repeats: "
+            f"not a result")
 
 
 def plot_speed(result: dict, ax) -> None:
