@@ -148,17 +148,10 @@ def calibrate(stack: ResidualStack, x0: torch.Tensor, *, cfactor: int, levels: i
     stack.check_input("x0", x0)
     m, levels = _check_grid(stack.n_layers, cfactor, levels)
     repeat = check_int("repeat", repeat, lo=1)
-    return _calibrated(stack, x0, m, levels, repeat, threads)[0]
-
-
-def _calibrated(stack: ResidualStack, x0: torch.Tensor, m: int, levels: int, repeat: int,
-                threads: int | None, also: dict[str, Callable[[], object]] | None = None):
-    """:func:`calibrate`'s unit times and the comparison that timed them, with the calls of
-    ``also`` timed in the same interleaved repeats (so a baseline sees the same load)."""
     calls, counts = _unit_calls(stack, x0, m, levels)
-    cmp = compare({**(also or {}), **{_unit_name(k): fn for k, fn in calls.items()}},
-                  warmup=1, repeat=repeat, device=x0.device, threads=threads)
-    return _unit_times(cmp, counts), cmp
+    cmp = compare({_unit_name(k): fn for k, fn in calls.items()}, warmup=1, repeat=repeat,
+                  device=x0.device, threads=threads)
+    return _unit_times(cmp, counts)
 
 
 def _unit_calls(stack: ResidualStack, x0: torch.Tensor, m: int,
