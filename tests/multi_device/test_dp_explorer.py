@@ -65,6 +65,9 @@ def test_cluster_timeline_draws_the_model_and_its_exposed_tail():
     assert [f"b{i}" for i in range(n - 3, n)] == [x for x in labels if x.startswith("b")]
     lo, hi = axes[1].get_xlim()
     assert lo > 0 and hi >= want.step * 1e3                   # the zoom shows the tail
+    # the exposed tail is the bucketed wrapper's: no label of it sits in the naive rows
+    assert f"{want.step * 1e3 - 50:.1f} ms" in axes[1].get_title()
+    assert all(not (t.get_position()[1] < 2.5) for t in axes[1].texts)
     for bad, err in (({"zoom_last": 0}, ValueError), ({"link": (1e-5, 1e-9)}, TypeError)):
         kw = dict(compute_seconds=0.05, link=link)
         kw.update(bad)
