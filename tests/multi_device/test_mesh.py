@@ -353,6 +353,8 @@ def test_grading_report_is_complete(monkeypatch):
     assert rep["memory_error"] == 0.0  # the tiny GPT's memory count is exact
     for row in rep["rows"]:
         assert row["measured_s"] > 0 and math.isfinite(row["predicted_s"])
+        # the step times' range, so a figure can show the spread the table prints
+        assert row["min_s"] <= row["measured_s"] <= row["max_s"]
 
 
 def test_planner_prices_a_ring_or_chain_that_spans_nodes_on_the_inter_node_link():

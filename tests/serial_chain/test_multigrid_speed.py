@@ -163,3 +163,16 @@ def test_the_calibrated_limit_reads_the_serial_run_timed_right_after_the_calls(m
     for n, cal, times, serial in zip(r["Ns"], r["model_cal"], seen[::2], seen[1::2], strict=True):
         mgrit = mg.cost_model(n, 4, 2, 1, call_time=times.__getitem__)["mgrit_seconds"]
         assert cal == pytest.approx(serial / mgrit, rel=1e-12)
+
+
+def test_the_calibrated_line_leaves_out_the_depths_flagged_as_not_a_result():
+    # a flagged calibrated value is not a measurement: it must not be drawn as one
+    r = mg.speed_sweep(8, 2, 4, 2, 1, depths=[16, 32], repeat=1, device="cpu")
+    r["above"], r["model_cal"] = [], [r["model_f"][0] * 8, 1.0]
+    r["cal_over_limit"], r["over_cal"] = [(16, r["model_cal"][0], r["model_f"][0])], []
+    fig, ax = plt.subplots()
+    mg.plot_speed(r, ax)
+    line = next(ln for ln in ax.lines if "calibrated" in ln.get_label())
+    y = list(line.get_ydata())
+    assert y[0] != y[0] and y[1] == 1.0   # NaN at the flagged N=16, drawn at N=32
+    plt.close(fig)

@@ -85,12 +85,13 @@ def measure_plan(cfg: GPTConfig, pred: Prediction, batch: int, seq: int, steps: 
 
 
 def _summarise(res: list[dict], steps: int) -> dict:
-    """One plan's ranks' results: ``{"step_s", "memory", "spread"}`` (:func:`measure_plan`)."""
+    """One plan's ranks' results: ``{"step_s", "memory", "spread", "min_s", "max_s"}``
+    (:func:`measure_plan`; ``min_s``/``max_s``: the slowest rank's fastest and slowest step)."""
     slowest = [max(r["step_s"][i] for r in res) for i in range(1, steps)]
     med = statistics.median(slowest)
     memory = max(r["held"]["params"] + r["held"]["grads"] + r["held"]["optimizer"]
                  + r["act_peak"] for r in res)
-    return {"step_s": med, "memory": memory,
+    return {"step_s": med, "memory": memory, "min_s": min(slowest), "max_s": max(slowest),
             "spread": (max(slowest) - min(slowest)) / med if med else 0.0}
 
 
@@ -155,7 +156,8 @@ def grade(cfg: GPTConfig, card, *, world: int = 4, batch: int = 8, seq: int = 16
         rows.append({"plan": str(pred.plan), "predicted rank": ranked.index(pred) + 1,
                      "pick": "worst" if pred is ranked[-1] else f"top {i + 1}",
                      "predicted_s": pred.step_s, "measured_s": got["step_s"],
-                     "spread": got["spread"], "predicted_bytes": pred.memory["total"],
+                     "spread": got["spread"], "min_s": got["min_s"], "max_s": got["max_s"],
+                     "predicted_bytes": pred.memory["total"],
                      "measured_bytes": got["memory"], "parts": pred.time,
                      "mfu": 3 * work.forward_flops() / got["step_s"] / peak,
                      "prediction": pred})

@@ -231,7 +231,9 @@ def plot_speed(result: dict, ax) -> None:
                      color="C0")
         plot_modeled(ax, ns, result["model_fb"], name="fwd+bwd limit",
                      formula="2N / (fwd+bwd depth)", color="C1", linestyle=":", marker="x", ms=7)
-    plot_modeled(ax, ns, result["model_cal"], name="forward limit, calibrated",
+    flagged = {n for n, *_ in result["cal_over_limit"]} | {n for n, *_ in result["over_cal"]}
+    cal = [np.nan if n in flagged else c for n, c in zip(ns, result["model_cal"], strict=True)]
+    plot_modeled(ax, ns, cal, name="forward limit, calibrated (flagged N left out)",
                  formula="serial time / sum of measured call times", color="C2",
                  linestyle="--")
     ax.axhline(1, color="gray", lw=0.8, label="break-even")
