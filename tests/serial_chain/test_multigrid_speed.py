@@ -176,3 +176,15 @@ def test_the_calibrated_line_leaves_out_the_depths_flagged_as_not_a_result():
     y = list(line.get_ydata())
     assert y[0] != y[0] and y[1] == 1.0   # NaN at the flagged N=16, drawn at N=32
     plt.close(fig)
+
+
+def test_a_calibrated_limit_left_with_one_depth_is_still_visible():
+    # with every other depth flagged, a dashed line without markers would draw nothing
+    r = mg.speed_sweep(8, 2, 4, 2, 1, depths=[16, 32], repeat=1, device="cpu")
+    r["above"], r["over_cal"] = [], []
+    r["cal_over_limit"] = [(16, r["model_cal"][0], r["model_f"][0])]
+    fig, ax = plt.subplots()
+    mg.plot_speed(r, ax)
+    line = next(ln for ln in ax.get_lines() if "calibrated" in ln.get_label())
+    assert line.get_marker() not in (None, "None", "", " ")
+    plt.close(fig)

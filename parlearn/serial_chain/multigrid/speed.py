@@ -235,7 +235,7 @@ def plot_speed(result: dict, ax) -> None:
     cal = [np.nan if n in flagged else c for n, c in zip(ns, result["model_cal"], strict=True)]
     plot_modeled(ax, ns, cal, name="forward limit, calibrated (flagged N left out)",
                  formula="serial time / sum of measured call times", color="C2",
-                 linestyle="--")
+                 linestyle="--", marker="d", ms=5)   # a lone unflagged N still shows
     ax.axhline(1, color="gray", lw=0.8, label="break-even")
     mark_reliability(ax, result["fwd"]["reliable"] and result["fb"]["reliable"])
     notes = ([_above_note(result)] if result["above"] else []) + (
