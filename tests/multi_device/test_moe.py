@@ -209,6 +209,14 @@ def test_ep_against_replicated_experts_by_hand():
     assert math.isclose(swiglu["compute"], 2 * 10 * 2 * 3 * 8 * 16 / 1e12, rel_tol=1e-12)
     assert math.isclose(swiglu["compute"], 1.5 * gelu["compute"], rel_tol=1e-12)
     assert swiglu["all_to_all"] == gelu["all_to_all"]
+    # the large-T limit of compute / all-to-all is what the ratio tends to
+    big = moe.ep_pays(10**9, 8, 16, 2, 4, 1e-5, 1e-9, 1e12, matrices=3)
+    assert math.isclose(big["compute"] / big["all_to_all"], big["limit"], rel_tol=1e-6)
+    assert math.isclose(big["limit"], 3 * 16 / (1e12 * 4 * 1e-9 * 3 / 4), rel_tol=1e-12)
+    assert big["limit"] == swiglu["limit"]
+    # a fit that put beta at 0 (or one rank) leaves nothing that grows with the tokens
+    assert moe.ep_pays(10, 8, 16, 2, 4, 1e-5, 0.0, 1e12)["limit"] == math.inf
+    assert moe.ep_pays(10, 8, 16, 2, 1, 1e-5, 1e-9, 1e12)["limit"] == math.inf
 
 
 def test_moe_gpt_trains_and_costs_what_the_dense_one_does_plus_the_router():

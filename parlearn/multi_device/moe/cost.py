@@ -42,6 +42,7 @@ FLOP/s) whatever ``T``: a larger ``T`` only amortises the latency ``alpha``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from parlearn.core.checks import check_float, check_int
@@ -99,7 +100,11 @@ def ep_pays(tokens: int, d_model: int, d_ff: int, k: int, ep: int, alpha: float,
     FLOPs at ``flops_per_s`` (``m = matrices``: 2 for a GELU MLP, 3 for SwiGLU), and the
     two all-to-alls on the pairwise schedule, ``2 ((N-1) alpha + wire beta)``. The
     all-to-all can hide behind (or is small against) the expert compute when the first
-    is the larger (module docstring; lesson 18's exercise)."""
+    is the larger (module docstring; lesson 18's exercise).
+
+    ``"limit"`` is what ``compute / all_to_all`` tends to as ``tokens`` grows (the latency
+    amortised away): ``m f / (F b beta (N-1)/N)``, ``inf`` when nothing grows with the
+    bytes (``beta`` 0, as a fit to noisy times can return, or ``ep`` 1)."""
     check_float("alpha", alpha, lo=0)
     check_float("beta", beta, lo=0)
     check_float("flops_per_s", flops_per_s, lo=0, lo_open=True)
@@ -107,7 +112,9 @@ def ep_pays(tokens: int, d_model: int, d_ff: int, k: int, ep: int, alpha: float,
     b = all_to_all_bytes(tokens, d_model, k, ep, element_bytes)
     compute = 2 * tokens * k * m * d_model * check_int("d_ff", d_ff, lo=1) / flops_per_s
     comm = 2 * ((ep - 1) * alpha + b["wire"] * beta)
-    return {"compute": compute, "all_to_all": comm}
+    per_token = beta * element_bytes * (ep - 1) / ep * flops_per_s
+    limit = math.inf if per_token == 0 else m * d_ff / per_token
+    return {"compute": compute, "all_to_all": comm, "limit": limit}
 
 
 def ep_vs_replicated(tokens: int, d_model: int, d_ff: int, n_experts: int, k: int, ep: int,
