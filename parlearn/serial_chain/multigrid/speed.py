@@ -162,12 +162,11 @@ def read_above(result: dict) -> list[dict]:
 
 def cal_reading(result: dict, n: int) -> str:
     """How the forward at depth ``n`` of :func:`speed_sweep`'s ``result`` stands to its
-    calibrated limit: ``"cal_over_limit"`` (the calibrated limit exceeds ``N / depth``: the
-    load changed between the calls' timing and the serial run's, so it is not a result),
-    ``"over_cal"``
-    (measured above ``ABOVE_CAL`` x the calibrated limit: the calls ran slower while
-    calibrated than inside the forward), ``"under_cal"`` (below ``BELOW_CAL`` x it: the
-    solver's own work between calls) or ``"near"``."""
+    calibrated limit: ``"cal_over_limit"`` (the calibrated limit exceeds ``ABOVE_CAL`` x
+    ``N / depth``: the load changed between the calls' timing and the serial run's, so it is
+    not a result), ``"over_cal"`` (measured above ``ABOVE_CAL`` x the calibrated limit: the
+    calls ran slower while calibrated than inside the forward), ``"under_cal"`` (below
+    ``BELOW_CAL`` x it: the solver's own work between calls) or ``"near"``."""
     _check_result(result)
     if isinstance(n, bool) or n not in result["Ns"]:
         raise ValueError(f"n must be one of the swept depths {result['Ns']}, got {n!r}")
@@ -199,7 +198,8 @@ def _above_note(result: dict) -> str:
 
 
 def _cal_note(result: dict) -> str:
-    """What :func:`plot_speed` writes when the calibrated limit lies above ``N / depth``."""
+    """What :func:`plot_speed` writes when the calibrated limit lies more than ``ABOVE_CAL``
+    x above ``N / depth``."""
     where = ", ".join(f"N={n}: {c:.2g}x > {lim:.2g}x" for n, c, lim in result["cal_over_limit"])
     return (f"CALIBRATED LIMIT ABOVE THE MODELED ONE ({where}): the calls added up to less "
             f"than depth serial layers;\nthe load changed between the calls' timing and the "
@@ -231,7 +231,7 @@ def plot_speed(result: dict, ax) -> None:
                      color="C0")
         plot_modeled(ax, ns, result["model_fb"], name="fwd+bwd limit",
                      formula="2N / (fwd+bwd depth)", color="C1", linestyle=":", marker="x", ms=7)
-    flagged = {n for n, *_ in result["cal_over_limit"]} | {n for n, *_ in result["over_cal"]}
+    flagged = {n for n in ns if cal_reading(result, n) in ("cal_over_limit", "over_cal")}
     cal = [np.nan if n in flagged else c for n, c in zip(ns, result["model_cal"], strict=True)]
     plot_modeled(ax, ns, cal, name="forward limit, calibrated (flagged N left out)",
                  formula="serial time / sum of measured call times", color="C2",
