@@ -218,9 +218,13 @@ def _move_one_control(dash) -> str:
         for key in ("ArrowRight", "ArrowLeft"):
             handles.first.focus()
             handles.first.press(key)
-            time.sleep(0.3)
-            if readout.inner_text() != before:
-                return f"slider {before} -> {readout.inner_text()}"
+            # the readout follows the handle once the front end re-renders: on a slow or
+            # loaded machine that takes longer than a fixed 0.3 s, so poll for it
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                if readout.inner_text() != before:
+                    return f"slider {before} -> {readout.inner_text()}"
+                time.sleep(0.1)
         raise AssertionError("the slider did not move with the arrow keys")
     selects = dash.locator("select")
     if selects.count():
